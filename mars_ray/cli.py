@@ -1,0 +1,28 @@
+"""`mars-ray`: a thin command line; each subcommand lives beside the code it drives."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mars_ray import generate
+
+SUBCOMMANDS = (generate,)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="mars-ray", description="Train and serve MARS multi-token models on Ray"
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"mars-ray {args.command}: error: {error}\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,411 @@
+"""Multi-token decoding for MARS models: one acceptance rule, three decoders.
+
+Every decoder runs the same step. Feed the committed context plus mask tokens; slot 0 of the window is the
+ordinary next-token prediction (logits at the last real token), slot j the prediction read at mask j-1
+(right shift). Propose the greedy (or sampled) token of each slot, always accept slot 0, then accept the
+longest prefix whose confidence (fp32 softmax probability) is >= tau. tau >= 1 accepts exactly one token,
+which is greedy autoregressive decoding of the same weights.
+
+- `decode_reference`: no cache, recomputes everything; the ground truth (the paper's `MARSSampler`).
+- `SlidingDecoder` / `decode_cached`: a KV cache that never keeps a mask's keys and values; each step
+  feeds `[tokens accepted last step | masks]` and crops the masks. Rows of a batch advance independently
+  over a ragged cache with holes, join at any step and leave at once: the serving engine is built on it.
+- `decode_block_cached`: the paper's block-level cache for left-padded batches (Table 5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How one sequence is decoded. `block_size` is the window W of slots per forward (the training B)."""
+
+    tau: float = 1.0
+    block_size: int = 4
+    max_new_tokens: int = 256
+    max_accept: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        checks = {
+            "tau": self.tau > 0 and math.isfinite(self.tau),
+            "block_size": self.block_size >= 1,
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "max_accept": self.max_accept is None or self.max_accept >= 1,
+            "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
+            "top_p": 0 < self.top_p <= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+
+    @property
+    def window(self) -> int:
+        """Slots this sequence may accept per forward: 1 at tau >= 1 (no masks needed at all)."""
+        if self.tau >= 1.0:
+            return 1
+        return min(self.block_size, self.max_accept or self.block_size)
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # generated ids, including the stop token that ended them
+    forward_passes: int  # every forward this sequence took part in (prefill and extend passes included)
+    accepted: list[int]  # tokens accepted at each forward that produced tokens
+    finish_reason: str  # "stop" or "length"
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / max(self.forward_passes, 1)
+
+
+def accept_length(confidence: Sequence[float], tau: float, limit: int) -> int:
+    """How many leading slots to accept: slot 0 always, then while confidence >= tau, at most `limit`.
+
+    tau >= 1 is one token: an fp32 (let alone bf16) probability can round to exactly 1.0.
+    """
+    if tau >= 1.0:
+        return 1
+    n = 1
+    while n < min(limit, len(confidence)) and confidence[n] >= tau:
+        n += 1
+    return n
+
+
+@dataclass
+class DecodeState:
+    """One sequence being decoded: its prompt, config, output so far and counters."""
+
+    prompt: list[int]
+    config: DecodeConfig
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    forward_passes: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("prompt must hold at least one token")
+        if self.config.temperature > 0:
+            self.generator = torch.Generator()
+            if self.config.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(self.config.seed)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take(self, proposed: Sequence[int], confidence: Sequence[float]) -> list[int]:
+        """Accept a prefix of the proposed window, apply stop conditions, return the committed tokens."""
+        cfg = self.config
+        limit = min(len(proposed), cfg.max_accept or len(proposed), cfg.max_new_tokens - len(self.tokens))
+        new = list(proposed[: accept_length(confidence, cfg.tau, limit)])
+        for i, token in enumerate(new):
+            if token in cfg.stop_token_ids:
+                new = new[: i + 1]
+                self.finish_reason = "stop"
+                break
+        self.tokens += new
+        self.accepted.append(len(new))
+        if not self.finished and len(self.tokens) >= cfg.max_new_tokens:
+            self.finish_reason = "length"
+        return new
+
+    def result(self) -> DecodeResult:
+        return DecodeResult(
+            list(self.tokens), self.forward_passes, list(self.accepted), self.finish_reason or ""
+        )
+
+
+def propose(logits: torch.Tensor, seqs: Sequence[DecodeState]) -> tuple[list[list[int]], list[list[float]]]:
+    """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V]."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    confidence, tokens = probs.max(dim=-1)
+    for i, seq in enumerate(seqs):
+        cfg = seq.config
+        if cfg.temperature <= 0:
+            continue
+        row = torch.softmax(logits[i].cpu() / cfg.temperature, dim=-1)
+        if cfg.top_p < 1.0:
+            row = _top_p(row, cfg.top_p)
+        gumbel = -torch.log(-torch.log(torch.rand(row.shape, generator=seq.generator).clamp_min(1e-20)))
+        choice = (row.log() + gumbel).argmax(dim=-1)
+        tokens[i] = choice.to(tokens.device)
+        confidence[i] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
+    return tokens.tolist(), confidence.tolist()
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches `top_p`, renormalised."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@torch.inference_mode()
+def decode_reference(
+    model: PreTrainedModel, prompt: Sequence[int], mask_id: int, config: DecodeConfig
+) -> DecodeResult:
+    """The ground truth: each step recomputes `[prompt + output, MASK x W]` with plain causal attention."""
+    seq = DecodeState(list(prompt), config)
+    width = config.block_size
+    while not seq.finished:
+        context = seq.prompt + seq.tokens
+        ids = torch.tensor([context + [mask_id] * width], device=model.device)
+        logits = model(input_ids=ids).logits[:, len(context) - 1 : len(context) - 1 + width]
+        seq.forward_passes += 1
+        tokens, confidence = propose(logits, [seq])
+        seq.take(tokens[0][: config.window], confidence[0][: config.window])
+    return seq.result()
+
+
+class RaggedCache:
+    """One rectangular KV cache for rows of different lengths; row r's real keys are where `valid[r]`.
+
+    Holes (left padding, slack from rows that advanced less than others) are never attended and positions
+    count real tokens only, so every row computes what it would alone. Rows join empty and leave at once.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = model.device
+        self.kv = DynamicCache(config=model.config)
+        self.valid = torch.zeros((0, 0), dtype=torch.bool, device=self.device)  # [rows, T]
+        self.next_position = torch.zeros(0, dtype=torch.long, device=self.device)  # [rows]
+        self.eager = model.config._attn_implementation == "eager"
+
+    def _layers(self):
+        return [layer for layer in self.kv.layers if layer.is_initialized and layer.keys.dim() == 4]
+
+    def forward(
+        self, input_ids: torch.Tensor, real: torch.Tensor, keep: int, logits_to_keep: int
+    ) -> torch.Tensor:
+        """Run `input_ids` [rows, S] after the cache; cache the first `keep` columns; return the last logits.
+
+        `real` marks the columns that exist (False = hole). Real columns see every valid cached key and the
+        real columns before them; a hole sees only itself, so no softmax row is empty.
+        """
+        rows, width = input_ids.shape
+        cached = self.valid.shape[1]
+        positions = (self.next_position[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        own = causal[None] & real[:, None, :]
+        own |= torch.eye(width, dtype=torch.bool, device=self.device)[None]
+        mask = torch.cat([self.valid[:, None, :].expand(rows, width, cached), own], dim=2)[:, None]
+        if self.eager:
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min
+            )
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=self.kv,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        if keep < width:
+            self.kv.crop(keep - width)
+        kept = real[:, :keep]
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.next_position = self.next_position + kept.sum(dim=1)
+        return out.logits
+
+    def add_rows(self, count: int) -> None:
+        """Append `count` empty rows (all holes)."""
+        self.valid = torch.cat([self.valid, self.valid.new_zeros((count, self.valid.shape[1]))])
+        self.next_position = torch.cat([self.next_position, self.next_position.new_zeros(count)])
+        for layer in self._layers():
+            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((count, *layer.keys.shape[1:]))])
+            layer.values = torch.cat([layer.values, layer.values.new_zeros((count, *layer.values.shape[1:]))])
+
+    def keep_rows(self, indices: Sequence[int]) -> None:
+        """Keep only these rows (in this order); the others' keys and values are freed."""
+        index = torch.tensor(list(indices), dtype=torch.long, device=self.device)
+        self.valid = self.valid[index]
+        self.next_position = self.next_position[index]
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        self.compact()
+
+    def compact(self, min_holes: int = 32) -> None:
+        """Drop hole columns once they are a quarter of the cache: each row's keys move right, in order."""
+        total = self.valid.shape[1]
+        width = int(self.valid.sum(dim=1).max()) if self.valid.shape[0] else 0
+        if total - width < max(min_holes, total // 4):
+            return
+        # A stable sort puts every row's real keys last, in their original order.
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, total - width :]
+        self.valid = self.valid.gather(1, order)
+        for layer in self._layers():
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+class SlidingDecoder:
+    """Continuous multi-token decoding: every row accepts >= 1 token at every forward.
+
+    A step feeds each row `[uncached tokens | W-1 masks]`, right-aligned (holes on the left), so the masks
+    are always the last W-1 columns and one crop removes them from every row: no mask KV is ever kept.
+    The uncached tokens are last step's accepted ones, or the whole prompt of a row that just joined.
+    W is the widest window in the batch; a row at tau >= 1 only reads slot 0.
+    """
+
+    def __init__(self, model: PreTrainedModel, mask_id: int, pad_id: int = 0) -> None:
+        self.model, self.mask_id, self.pad_id = model, mask_id, pad_id
+        self.cache = RaggedCache(model)
+        self.seqs: list[DecodeState] = []
+        self.uncached: list[list[int]] = []
+
+    def add(self, seq: DecodeState) -> None:
+        """Join at the next step; its prompt is prefilled inside that step."""
+        self.seqs.append(seq)
+        self.uncached.append(list(seq.prompt) + seq.tokens)
+        self.cache.add_rows(1)
+
+    def remove(self, seqs: Sequence[DecodeState]) -> None:
+        """Leave now, freeing their cache rows."""
+        gone = {id(s) for s in seqs}
+        keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
+        self.seqs = [self.seqs[i] for i in keep]
+        self.uncached = [self.uncached[i] for i in keep]
+        self.cache.keep_rows(keep)
+
+    @torch.inference_mode()
+    def step(self) -> list[list[int]]:
+        """One forward for every row; returns each row's newly accepted tokens (finished rows then leave)."""
+        window = max(s.config.window for s in self.seqs)
+        longest = max(len(u) for u in self.uncached)
+        ids = torch.full((len(self.seqs), longest + window - 1), self.pad_id, dtype=torch.long)
+        real = torch.zeros(ids.shape, dtype=torch.bool)
+        ids[:, longest:] = self.mask_id
+        real[:, longest:] = True
+        for row, tokens in enumerate(self.uncached):
+            ids[row, longest - len(tokens) : longest] = torch.tensor(tokens)
+            real[row, longest - len(tokens) : longest] = True
+        logits = self.cache.forward(ids.to(self.cache.device), real.to(self.cache.device), longest, window)
+        tokens, confidence = propose(logits, self.seqs)
+        accepted = []
+        for row, seq in enumerate(self.seqs):
+            seq.forward_passes += 1
+            w = seq.config.window
+            self.uncached[row] = seq.take(tokens[row][:w], confidence[row][:w])
+            accepted.append(self.uncached[row])
+        self.remove([s for s in self.seqs if s.finished])
+        return accepted
+
+
+def decode_cached(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    mask_id: int,
+    config: DecodeConfig | Sequence[DecodeConfig],
+    pad_id: int = 0,
+) -> list[DecodeResult]:
+    """Decode prompts together with the sliding KV cache; at batch 1 this is the single-sequence decoder."""
+    configs = [config] * len(prompts) if isinstance(config, DecodeConfig) else list(config)
+    seqs = [DecodeState(list(p), c) for p, c in zip(prompts, configs, strict=True)]
+    decoder = SlidingDecoder(model, mask_id, pad_id)
+    for seq in seqs:
+        decoder.add(seq)
+    while decoder.seqs:
+        decoder.step()
+    return [s.result() for s in seqs]
+
+
+@torch.inference_mode()
+def decode_block_cached(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    mask_id: int,
+    config: DecodeConfig | Sequence[DecodeConfig],
+    cache_block: int = 32,
+    pad_id: int = 0,
+    fuse_extend: bool = False,
+) -> list[DecodeResult]:
+    """The paper's block-level KV cache (`MARSBlockCachedSampler`) over a left-padded batch.
+
+    Prefill once. Then per block of `cache_block` slots: forward the block (accepted tokens + masks)
+    against the block-start cache without keeping it, accept per row from its fill point to the block end,
+    repeat until every row's block is full (full rows idle), then an extend pass appends the block to the
+    cache and yields the next block's slot-0 logits. Rows are synchronised at block ends so the batch
+    cache stays rectangular. `fuse_extend` folds each extend into the next block's first forward
+    (`[block | masks]`, keeping only the block): same tokens, one forward fewer per block.
+    A row that finishes leaves the batch at once. `config.block_size` is not used here: the window is
+    the rest of the block, capped by `max_accept`.
+    """
+    configs = [config] * len(prompts) if isinstance(config, DecodeConfig) else list(config)
+    seqs = [DecodeState(list(p), c) for p, c in zip(prompts, configs, strict=True)]
+    live = list(seqs)
+    cache = RaggedCache(model)
+    cache.add_rows(len(live))
+    device = cache.device
+
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(live), longest), pad_id, dtype=torch.long)
+    real = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, seq in enumerate(live):
+        ids[row, longest - len(seq.prompt) :] = torch.tensor(seq.prompt)
+        real[row, longest - len(seq.prompt) :] = True
+    last = cache.forward(ids.to(device), real.to(device), longest, 1)[:, -1]  # slot-0 logits of block 1
+    for seq in live:
+        seq.forward_passes += 1
+
+    all_real = torch.ones((len(live), cache_block), dtype=torch.bool, device=device)
+    block = torch.full((len(live), cache_block), mask_id, dtype=torch.long, device=device)
+    filled = [0] * len(live)
+    pending_extend = False
+    while live:
+        if pending_extend and fuse_extend:
+            # Extend and first inner forward at once: `[full block | masks]`, cache only the block.
+            masks = torch.full_like(block, mask_id)
+            both = torch.cat([block, masks], dim=1)
+            logits = cache.forward(both, torch.cat([all_real, all_real], dim=1), cache_block, cache_block + 1)
+            last, logits = logits[:, 0], logits[:, 1:]
+            block, filled, pending_extend = masks, [0] * len(live), False
+        else:
+            logits = cache.forward(block, all_real, 0, cache_block)
+        for seq in live:
+            seq.forward_passes += 1
+        slots = torch.cat([last[:, None], logits[:, :-1]], dim=1)
+        tokens, confidence = propose(slots, live)
+        for row, seq in enumerate(live):
+            start = filled[row]
+            if start == cache_block:
+                continue  # this row's block is full: it idles until the others fill theirs
+            new = seq.take(tokens[row][start:], confidence[row][start:])
+            block[row, start : start + len(new)] = torch.tensor(new, device=device)
+            filled[row] += len(new)
+
+        keep = [row for row, seq in enumerate(live) if not seq.finished]
+        if len(keep) < len(live):
+            live, filled = [live[r] for r in keep], [filled[r] for r in keep]
+            index = torch.tensor(keep, dtype=torch.long, device=device)
+            block, last, all_real = block[index], last[index], all_real[index]
+            cache.keep_rows(keep)
+        if live and min(filled) == cache_block:
+            if fuse_extend:
+                pending_extend = True
+                continue
+            last = cache.forward(block, all_real, cache_block, 1)[:, -1]
+            for seq in live:
+                seq.forward_passes += 1
+            block = torch.full_like(block, mask_id)
+            filled = [0] * len(live)
+    return [s.result() for s in seqs]

@@ -1,0 +1,42 @@
+"""`mars-ray generate` on the tiny preset: JSON out, exact greedy at tau = 1, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from mars_ray import models
+from mars_ray.data import chat_prompt_ids
+
+
+def mars_ray(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mars_ray.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_json_equals_transformers_greedy():
+    done = mars_ray(
+        "generate", "--model", "tiny", "--prompt", "Count from 3 to 9.", "--max-new-tokens", "12", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(out) == {"text", "token_ids", "forward_passes", "tokens_per_forward"}
+    model, tokenizer = models.load("tiny")
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Count from 3 to 9."}])
+    greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[
+        0, len(prompt) :
+    ].tolist()
+    assert out["token_ids"] == greedy
+    assert out["forward_passes"] == len(greedy) and out["tokens_per_forward"] == 1.0
+    assert out["text"] == tokenizer.decode(greedy, skip_special_tokens=True)
+
+
+def test_generate_errors_name_the_problem():
+    missing = mars_ray("generate", "--model", "./no-such-folder", "--prompt", "hi")
+    assert missing.returncode == 2 and "no-such-folder" in missing.stderr
+    bad_tau = mars_ray("generate", "--model", "tiny", "--prompt", "hi", "--tau", "-1")
+    assert bad_tau.returncode == 2 and "tau" in bad_tau.stderr

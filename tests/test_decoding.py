@@ -1,0 +1,218 @@
+"""The decoders: one acceptance rule; tau = 1 is exactly greedy AR; caches never change the answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny, random_prompts
+
+from mars_ray.core.decoding import (
+    DecodeConfig,
+    DecodeState,
+    SlidingDecoder,
+    accept_length,
+    decode_block_cached,
+    decode_cached,
+    decode_reference,
+)
+
+
+def hf_greedy(model, prompts, max_new_tokens, eos=EOS_ID):
+    """transformers' own greedy decoding of a left-padded batch, cut at EOS (EOS kept, as generate does)."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[PAD_ID] * (longest - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attention,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=PAD_ID,
+    )[:, longest:].tolist()
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out]
+
+
+def frequent_token(model, prompts):
+    """A token that greedy decoding emits mid-way for some prompts: a stop token that really stops."""
+    counts = torch.bincount(
+        torch.tensor([t for row in hf_greedy(model, prompts, 24, eos=-1) for t in row[3:]])
+    )
+    return int(counts.argmax())
+
+
+@pytest.mark.parametrize(
+    ("confidence", "tau", "limit", "expected"),
+    [
+        ([0.1, 0.2, 0.99, 0.99], 0.9, 4, 1),  # slot 0 forced; high slots after a failure are not taken
+        ([0.1, 0.99, 0.99, 0.5], 0.9, 4, 3),
+        ([0.1, 0.99, 0.99, 0.99], 0.9, 4, 4),
+        ([0.1, 0.99, 0.99, 0.99], 0.9, 2, 2),  # cap
+        ([1.0, 1.0, 1.0, 1.0], 1.0, 4, 1),  # tau >= 1 is one token even when p rounds to 1.0
+        ([0.5, 0.9, 0.8], 0.9, 4, 2),  # >= is inclusive
+    ],
+)
+def test_accept_length(confidence, tau, limit, expected):
+    assert accept_length(confidence, tau, limit) == expected
+
+
+def test_config_rejects_bad_values():
+    for bad in [
+        dict(tau=0.0),
+        dict(tau=float("nan")),
+        dict(block_size=0),
+        dict(max_new_tokens=0),
+        dict(top_p=0.0),
+    ]:
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DecodeConfig(**bad)
+
+
+def test_tau_one_equals_generate_every_decoder(tiny_model):
+    prompts = random_prompts(12, seed=1)
+    stop = frequent_token(tiny_model, prompts)
+    config = DecodeConfig(tau=1.0, block_size=4, max_new_tokens=24, stop_token_ids=(stop,))
+    expected = hf_greedy(tiny_model, prompts, 24, eos=stop)
+    assert [decode_reference(tiny_model, p, MASK_ID, config).tokens for p in prompts] == expected
+    assert [r.tokens for r in decode_cached(tiny_model, prompts, MASK_ID, config)] == expected
+    for cache_block in (4, 16):
+        for fuse in (False, True):
+            results = decode_block_cached(tiny_model, prompts, MASK_ID, config, cache_block, fuse_extend=fuse)
+            assert [r.tokens for r in results] == expected
+    # a left-padded batch equals the same prompts decoded one by one by transformers
+    assert expected == [hf_greedy(tiny_model, [p], 24, eos=stop)[0] for p in prompts]
+    assert any(len(t) < 24 for t in expected) and any(
+        len(t) == 24 for t in expected
+    )  # both stop reasons seen
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.7, 0.5, 0.3])
+def test_cached_equals_reference_below_one(tiny_model, tau):
+    prompts = random_prompts(8, seed=2)
+    config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=24, stop_token_ids=(EOS_ID,))
+    reference = [decode_reference(tiny_model, p, MASK_ID, config) for p in prompts]
+    batched = decode_cached(tiny_model, prompts, MASK_ID, config)
+    for ref, got in zip(reference, batched, strict=True):
+        assert (got.tokens, got.accepted, got.forward_passes) == (
+            ref.tokens,
+            ref.accepted,
+            ref.forward_passes,
+        )
+    if tau <= 0.5:
+        assert sum(len(r.tokens) for r in reference) > 1.5 * sum(r.forward_passes for r in reference)
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.5])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_block_cached_batch_equals_rows_alone(tiny_model, tau, fuse):
+    prompts = random_prompts(6, seed=3)
+    config = DecodeConfig(tau=tau, max_new_tokens=20, stop_token_ids=(EOS_ID,))
+    batch = decode_block_cached(tiny_model, prompts, MASK_ID, config, cache_block=8, fuse_extend=fuse)
+    alone = [
+        decode_block_cached(tiny_model, [p], MASK_ID, config, cache_block=8, fuse_extend=fuse)[0]
+        for p in prompts
+    ]
+    assert [r.tokens for r in batch] == [r.tokens for r in alone]
+    assert [r.accepted for r in batch] == [r.accepted for r in alone]
+
+
+def test_block_cached_fused_extend_saves_forwards(tiny_llama):
+    prompts = random_prompts(4, seed=4)
+    config = DecodeConfig(tau=0.7, max_new_tokens=32)
+    paper = decode_block_cached(tiny_llama, prompts, MASK_ID, config, cache_block=8)
+    fused = decode_block_cached(tiny_llama, prompts, MASK_ID, config, cache_block=8, fuse_extend=True)
+    assert [r.tokens for r in paper] == [r.tokens for r in fused]
+    assert all(f.forward_passes < p.forward_passes for p, f in zip(paper, fused, strict=True))
+
+
+def test_mixed_taus_and_windows_share_a_batch(tiny_llama):
+    prompts = random_prompts(6, seed=5)
+    configs = [
+        DecodeConfig(tau=t, block_size=w, max_new_tokens=20, stop_token_ids=(EOS_ID,))
+        for t, w in [(1.0, 4), (0.5, 4), (0.5, 2), (0.3, 8), (0.9, 4), (1.0, 1)]
+    ]
+    batch = decode_cached(tiny_llama, prompts, MASK_ID, configs)
+    alone = [decode_reference(tiny_llama, p, MASK_ID, c) for p, c in zip(prompts, configs, strict=True)]
+    assert [r.tokens for r in batch] == [r.tokens for r in alone]
+    assert max(r.accepted[0] for r in batch) > 1
+    assert all(max(r.accepted) <= c.window for r, c in zip(batch, configs, strict=True))
+
+
+def test_rows_join_and_leave_mid_flight(tiny_llama):
+    """Continuous batching: a row joining a running batch, or others leaving, changes nothing for it."""
+    prompts = random_prompts(5, seed=6)
+    config = DecodeConfig(tau=0.5, block_size=4, max_new_tokens=16)
+    alone = [decode_reference(tiny_llama, p, MASK_ID, config).tokens for p in prompts]
+    decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID)
+    states = [DecodeState(p, config) for p in prompts]
+    decoder.add(states[0])
+    decoder.add(states[1])
+    decoder.step()
+    decoder.add(states[2])
+    decoder.step()
+    decoder.remove([states[1]])  # a client went away
+    decoder.add(states[3])
+    decoder.add(states[4])
+    while decoder.seqs:
+        decoder.step()
+    assert decoder.cache.valid.shape[0] == 0
+    for i in (0, 2, 3, 4):
+        assert states[i].tokens == alone[i]
+
+
+def test_window_slots_do_not_depend_on_trailing_masks(tiny_llama):
+    prompt = torch.tensor([random_prompts(1, seed=7)[0]])
+    w = 4
+    short = tiny_llama(torch.cat([prompt, torch.full((1, w), MASK_ID)], 1)).logits[:, -w - 1 : -1]
+    long = tiny_llama(torch.cat([prompt, torch.full((1, 2 * w), MASK_ID)], 1)).logits[:, -2 * w - 1 : -w - 1]
+    torch.testing.assert_close(short, long, rtol=0, atol=1e-12)
+
+
+def test_stop_tokens_and_budget(tiny_llama):
+    prompt = random_prompts(1, seed=8)[0]
+    free = decode_reference(tiny_llama, prompt, MASK_ID, DecodeConfig(tau=0.3, max_new_tokens=12))
+    assert len(free.tokens) == 12 and free.finish_reason == "length"
+    stop = free.tokens[5]
+    first = free.tokens.index(stop)
+    for decode in (decode_cached, decode_block_cached):
+        got = decode(
+            tiny_llama, [prompt], MASK_ID, DecodeConfig(tau=0.3, max_new_tokens=12, stop_token_ids=(stop,))
+        )[0]
+        assert got.tokens == free.tokens[: first + 1] and got.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama):
+    prompt = random_prompts(1, seed=9)[0]
+    config = DecodeConfig(tau=0.5, temperature=1.0, top_p=0.9, seed=123, max_new_tokens=16)
+    first = decode_cached(tiny_llama, [prompt], MASK_ID, config)[0].tokens
+    assert first == decode_cached(tiny_llama, [prompt], MASK_ID, config)[0].tokens
+    other = DecodeConfig(tau=0.5, temperature=1.0, top_p=0.9, seed=124, max_new_tokens=16)
+    greedy = decode_cached(tiny_llama, [prompt], MASK_ID, DecodeConfig(tau=0.5, max_new_tokens=16))[0].tokens
+    assert first != decode_cached(tiny_llama, [prompt], MASK_ID, other)[0].tokens or first != greedy
+
+
+def test_eager_attention_matches_sdpa():
+    prompts = random_prompts(4, seed=10)
+    config = DecodeConfig(tau=0.5, max_new_tokens=16, stop_token_ids=(EOS_ID,))
+    sdpa = build_tiny("llama", attn_implementation="sdpa")
+    eager = build_tiny("llama", attn_implementation="eager")
+    assert [r.tokens for r in decode_cached(sdpa, prompts, MASK_ID, config)] == [
+        r.tokens for r in decode_cached(eager, prompts, MASK_ID, config)
+    ]
+
+
+def test_compaction_keeps_answers(tiny_llama):
+    """Many short rows leaving after a long one joined leave holes; compaction must not change tokens."""
+    prompts = [random_prompts(1, 40, 41, seed=11)[0]] + random_prompts(3, seed=12)
+    config = DecodeConfig(tau=0.3, block_size=8, max_new_tokens=40)
+    alone = [decode_reference(tiny_llama, p, MASK_ID, config).tokens for p in prompts]
+    decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID)
+    states = [DecodeState(p, config) for p in prompts]
+    for s in states:
+        decoder.add(s)
+    widths = []
+    while decoder.seqs:
+        decoder.step()
+        widths.append(decoder.cache.valid.shape[1])
+    assert [s.tokens for s in states] == alone
+    assert any(b < a for a, b in zip(widths, widths[1:], strict=False))  # the cache shrank at least once
