@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mars_ray import generate
+from mars_ray import bench, evaluate, generate
 
-SUBCOMMANDS = (generate,)
+SUBCOMMANDS = (generate, evaluate, bench)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -307,7 +307,9 @@ class SlidingDecoder:
             w = seq.config.window
             self.uncached[row] = seq.take(tokens[row][:w], confidence[row][:w])
             accepted.append(self.uncached[row])
-        self.remove([s for s in self.seqs if s.finished])
+        finished = [s for s in self.seqs if s.finished]
+        if finished:
+            self.remove(finished)
         return accepted
 
 

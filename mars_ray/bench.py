@@ -1,0 +1,327 @@
+"""`mars-ray bench decode`: every decoder on one checkpoint, the same prompts, budget and batch, one run.
+
+Methods: HF `generate` greedy with a KV cache (the AR baseline every ratio is taken against, at the same
+batch size), HF prompt-lookup decoding, the MARS sliding cached decoder (at batch 1 the single-sequence
+decoder), the paper's block-cached decoder over a sweep of cache-block sizes (as published, and with the
+extend pass fused into the next block), and the serving engine's continuous batcher.
+
+Forward passes are counted by a hook on the model, the same way for every method: tokens per forward is
+generated tokens over the rows that took part in each forward (a finished row that HF keeps in its batch
+counts, as it costs compute). Tokens are counted up to and including the stop token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from mars_ray import models
+from mars_ray.core.decoding import DecodeConfig, decode_block_cached, decode_cached
+from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
+
+METHODS = ("ar", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    prompts: int = 16  # held-out prompts: half generated tasks, half real dialogs
+    max_new_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
+    cache_blocks: tuple[int, ...] = (4, 8, 16, 32)
+    tau: float = 0.9
+    block_size: int = 4
+    methods: tuple[str, ...] = METHODS
+    device: str = "cpu"
+    dtype: str = "auto"
+    output: Path | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        if not 0 < self.tau <= 1:
+            raise ValueError(f"tau must lie in (0, 1], got {self.tau}")
+        for name in ("prompts", "max_new_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or min(self.cache_blocks, default=2) < 1:
+            raise ValueError("batch_sizes and cache_blocks must be positive")
+
+
+@dataclass
+class Measurement:
+    method: str
+    batch: int
+    cache_block: int | None
+    tokens: int
+    seconds: float
+    forwards: int
+    row_forwards: int
+    peak_memory_mb: float
+    note: str = ""
+    ratio: float = 0.0  # tokens/s over the AR baseline's at the same batch size, this run
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / max(self.row_forwards, 1)
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    machine: str
+    measurements: list[Measurement] = field(default_factory=list)
+
+    def table(self) -> str:
+        lines = [
+            f"machine: {self.machine}; model: {self.config.model}; tau={self.config.tau:g}, "
+            f"block_size={self.config.block_size}, max_new_tokens={self.config.max_new_tokens}, "
+            f"{self.config.prompts} prompts",
+            "",
+            "| method | batch | cache block | tokens/s | x AR | tokens/forward | forwards | peak MB | note |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for m in self.measurements:
+            lines.append(
+                f"| {m.method} | {m.batch} | {m.cache_block or ''} | {m.tokens_per_second:.1f} "
+                f"| {m.ratio:.2f} | {m.tokens_per_forward:.2f} | {m.forwards} "
+                f"| {m.peak_memory_mb:.0f} | {m.note} |"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()}
+        rows = [
+            {
+                **asdict(m),
+                "tokens_per_second": m.tokens_per_second,
+                "tokens_per_forward": m.tokens_per_forward,
+            }
+            for m in self.measurements
+        ]
+        return {"config": config, "machine": self.machine, "measurements": rows}
+
+
+class ForwardCounter:
+    """Counts model calls and the rows in each, through a forward hook."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.calls = self.rows = 0
+        self._handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls += 1
+        self.rows += int(ids.shape[0]) if ids is not None else 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class PeakMemory:
+    """Peak memory above the start: CUDA allocator statistics, or sampled process RSS on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            process = psutil.Process()
+            self._base = process.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, args=(process,), daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self, process: psutil.Process) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, process.memory_info().rss - self._base)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+
+    @property
+    def megabytes(self) -> float:
+        return max(self.peak, 0) / 2**20
+
+
+def _until_stop(row: list[int], stops: Sequence[int], pad_id: int) -> list[int]:
+    for i, token in enumerate(row):
+        if token in stops:
+            return row[: i + 1]
+    return [t for t in row if t != pad_id] if pad_id in stops else row
+
+
+def bench_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Held-out prompts through the chat template: half verifiable tasks, half real dialogs."""
+    tasks = verifiable_tasks("heldout", count=count - count // 2)
+    dialogs = chatterbot_dialogs("heldout")[: count // 2]
+    return [chat_prompt_ids(tokenizer, row["messages"][:-1]) for row in tasks + dialogs]
+
+
+def run_bench(config: BenchConfig) -> BenchReport:
+    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
+    stops = models.stop_token_ids(model, tokenizer)
+    mask_id, pad_id = tokenizer.mask_token_id, tokenizer.pad_token_id
+    decode = DecodeConfig(
+        tau=config.tau,
+        block_size=config.block_size,
+        max_new_tokens=config.max_new_tokens,
+        stop_token_ids=stops,
+    )
+    prompts = bench_prompts(tokenizer, config.prompts)
+    device = model.device
+
+    def hf_generate(batch: list[list[int]], **extra) -> list[int]:
+        longest = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in batch], device=device)
+        attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=False,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=list(stops),
+            pad_token_id=pad_id,
+            **extra,
+        )
+        return [len(_until_stop(row, stops, pad_id)) for row in out[:, longest:].tolist()]
+
+    def prompt_lookup(batch: list[list[int]]) -> list[int]:
+        return [n for p in batch for n in hf_generate([p], prompt_lookup_num_tokens=config.block_size * 2)]
+
+    def mars_cached(batch: list[list[int]]) -> list[int]:
+        return [len(r.tokens) for r in decode_cached(model, batch, mask_id, decode, pad_id)]
+
+    def mars_block(cache_block: int, fuse: bool) -> Callable[[list[list[int]]], list[int]]:
+        def run(batch: list[list[int]]) -> list[int]:
+            results = decode_block_cached(
+                model, batch, mask_id, decode, cache_block, pad_id, fuse_extend=fuse
+            )
+            return [len(r.tokens) for r in results]
+
+        return run
+
+    report = BenchReport(config, _machine(device))
+    for batch_size in config.batch_sizes:
+        batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+        runs: list[tuple[str, int | None, Callable, str]] = []
+        if "ar" in config.methods:
+            runs.append(("ar", None, hf_generate, "HF generate, greedy, KV cache"))
+        if "prompt-lookup" in config.methods:
+            note = "HF supports batch 1 only: rows run one at a time" if batch_size > 1 else ""
+            runs.append(("prompt-lookup", None, prompt_lookup, note))
+        if "mars-cached" in config.methods:
+            runs.append(
+                ("mars-cached", None, mars_cached, "sliding cache" if batch_size > 1 else "single sequence")
+            )
+        for fuse, name in ((False, "mars-block"), (True, "mars-block-fused")):
+            if name in config.methods:
+                runs += [(name, cb, mars_block(cb, fuse), "") for cb in config.cache_blocks]
+        baseline = None
+        for method, cache_block, fn, note in runs:
+            fn(batches[0])  # warm-up, not timed
+            counter = ForwardCounter(model)
+            with PeakMemory(device) as memory:
+                _sync(device)
+                start = time.perf_counter()
+                tokens = sum(sum(fn(b)) for b in batches)
+                _sync(device)
+                seconds = time.perf_counter() - start
+            counter.close()
+            m = Measurement(
+                method,
+                batch_size,
+                cache_block,
+                tokens,
+                seconds,
+                counter.calls,
+                counter.rows,
+                memory.megabytes,
+                note,
+            )
+            baseline = baseline or (m if method == "ar" else None)
+            m.ratio = m.tokens_per_second / baseline.tokens_per_second if baseline else float("nan")
+            report.measurements.append(m)
+            print(
+                f"  {method:17s} batch {batch_size:2d} block {cache_block or '-':>3}: "
+                f"{m.tokens_per_second:8.1f} tok/s  x{m.ratio:.2f}  {m.tokens_per_forward:.2f} tok/fwd",
+                flush=True,
+            )
+    if config.output:
+        config.output.parent.mkdir(parents=True, exist_ok=True)
+        config.output.write_text(json.dumps(report.to_json(), indent=2))
+    return report
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks")
+    kinds = parser.add_subparsers(dest="bench", required=True)
+    decode = kinds.add_parser(
+        "decode", help="every decoder on one checkpoint, same prompts and batch, one run"
+    )
+    decode.add_argument("--model", required=True)
+    decode.add_argument("--prompts", type=int, default=16)
+    decode.add_argument("--max-new-tokens", type=int, default=64)
+    decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    decode.add_argument("--cache-blocks", type=int, nargs="+", default=[4, 8, 16, 32])
+    decode.add_argument("--tau", type=float, default=0.9)
+    decode.add_argument("--block-size", type=int, default=4)
+    decode.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    decode.add_argument("--device", default="cpu")
+    decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    decode.add_argument("--output", type=Path, help="JSON path")
+    decode.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    config = BenchConfig(
+        model=args.model,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        batch_sizes=tuple(args.batch_sizes),
+        cache_blocks=tuple(args.cache_blocks),
+        tau=args.tau,
+        block_size=args.block_size,
+        methods=tuple(args.methods),
+        device=args.device,
+        dtype=args.dtype,
+        output=args.output,
+    )
+    print(run_bench(config).table())

@@ -1,0 +1,62 @@
+"""`mars-ray eval` and `mars-ray bench decode` on the tiny preset: the reports hold what they claim."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mars_ray.bench import BenchConfig, run_bench
+from mars_ray.evaluate import EvalConfig, evaluate
+
+
+def test_eval_sweep_writes_json_and_plot(tmp_path):
+    config = EvalConfig(
+        model="tiny",
+        baseline="tiny",
+        taus=(1.0, 0.5),
+        tasks_limit=6,
+        dialogs_limit=4,
+        max_new_tokens=8,
+        output=tmp_path / "eval.json",
+        plot=tmp_path / "pareto.png",
+    )
+    report = evaluate(config)
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert len(saved["scores"]) == 2 * 2 * 2  # models x sources x taus
+    greedy = next(s for s in report.scores if (s.model, s.source, s.tau) == ("mars", "chatterbot", 1.0))
+    assert greedy.accuracy == 1.0 and greedy.tokens_per_forward == 1.0  # tau = 1 agrees with itself
+    assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| mars | 0.5 |" in report.table()
+
+
+def test_eval_rejects_bad_taus():
+    with pytest.raises(ValueError, match="taus"):
+        EvalConfig(model="tiny", taus=(1.5,))
+
+
+def test_bench_decode_measures_every_method(tmp_path):
+    config = BenchConfig(
+        model="tiny",
+        prompts=4,
+        max_new_tokens=8,
+        batch_sizes=(1, 2),
+        cache_blocks=(4,),
+        output=tmp_path / "b.json",
+    )
+    report = run_bench(config)
+    methods = {(m.method, m.batch) for m in report.measurements}
+    assert methods == {(name, b) for name in config.methods for b in (1, 2)}
+    for m in report.measurements:
+        assert m.tokens > 0 and m.forwards > 0 and m.seconds > 0
+        if m.method == "ar":
+            assert m.ratio == 1.0 and m.tokens_per_forward <= 1.0
+    # at tau = 0.9 an untrained model accepts about one token per forward; the cached decoder never fewer
+    cached = next(m for m in report.measurements if (m.method, m.batch) == ("mars-cached", 1))
+    assert cached.tokens_per_forward >= 1.0
+    assert json.loads((tmp_path / "b.json").read_text())["measurements"]
+
+
+def test_bench_rejects_unknown_method():
+    with pytest.raises(ValueError, match="methods"):
+        BenchConfig(model="tiny", methods=("warp-drive",))
