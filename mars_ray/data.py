@@ -1,4 +1,5 @@
-"""Chat data: the bundled offline sources, in OpenAI `messages` format.
+"""Chat data in OpenAI `messages` format: the bundled offline sources, any `datasets` source, and the
+tokenization that training uses (only the last assistant turn supervised, every skipped row counted).
 
 Two sources ship with the project and are kept apart in every report:
 - `chatterbot`: real English dialogs from the `chatterbot-corpus` package (about 2,400 exchanges).
@@ -12,10 +13,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import random
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import datasets
 import yaml
+from jinja2 import TemplateError
+
+from mars_ray.core.objective import IGNORE, Example
 
 Split = Literal["train", "heldout"]
 HELDOUT_PERCENT = 10
@@ -135,3 +142,125 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
         )
         return list(ids)
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+BUNDLED_SOURCES = ("tasks", "chatterbot")
+
+
+def load_chats(source: str, split: str = "train", tasks_count: int = 4000) -> datasets.Dataset:
+    """Any chat source as a `datasets.Dataset` with a `messages` column.
+
+    `source` is a bundled name (`tasks`, `chatterbot`: their own train/heldout split), a local JSONL, JSON or
+    Parquet file, a folder (`save_to_disk` output or files `datasets` recognises), or a Hub dataset id.
+    """
+    if source in BUNDLED_SOURCES and split not in ("train", "heldout"):
+        raise ValueError(f"{source!r} has the splits train and heldout, not {split!r}")
+    if source == "tasks":
+        dataset = datasets.Dataset.from_list(verifiable_tasks(split, count=tasks_count))
+    elif source == "chatterbot":
+        dataset = datasets.Dataset.from_list(chatterbot_dialogs(split))
+    else:
+        dataset = _load_external(source, split)
+    if "messages" not in dataset.column_names:
+        raise ValueError(f"{source!r} has no 'messages' column (columns: {', '.join(dataset.column_names)})")
+    return dataset
+
+
+def _load_external(source: str, split: str) -> datasets.Dataset:
+    path = Path(source).expanduser()
+    formats = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+    if path.is_file():
+        if path.suffix not in formats:
+            raise ValueError(f"{source!r}: unsupported file type (use .jsonl, .json or .parquet)")
+        return datasets.load_dataset(formats[path.suffix], data_files=str(path), split="train")
+    if path.is_dir() and (path / "dataset_info.json").exists():
+        loaded = datasets.load_from_disk(str(path))
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    if not path.exists() and source.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"dataset {source!r}: no such file or folder")
+    return datasets.load_dataset(str(path) if path.is_dir() else source, split=split)
+
+
+@dataclass
+class DataReport:
+    """What became of each row of one source: kept (and how many cut to max_length), or skipped and why."""
+
+    source: str
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in self.skipped.most_common()) or "none"
+        kept = f"{self.kept}/{self.rows} rows kept ({self.truncated} truncated)"
+        return f"{self.source}: {kept}; skipped: {reasons}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "skipped": dict(self.skipped)}
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a whole chat: the chat template without a generation prompt (`chat_prompt_ids`' twin)."""
+    if tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def _malformed(messages) -> str | None:
+    """Why a `messages` value cannot be trained on, or None when it can."""
+    if not isinstance(messages, list) or not messages:
+        return "missing messages"
+    for message in messages:
+        if not isinstance(message, dict) or not all(
+            isinstance(message.get(key), str) for key in ("role", "content")
+        ):
+            return "malformed message"
+    if messages[-1]["role"] != "assistant":
+        return "last turn not assistant"
+    return None
+
+
+def tokenize_chat(tokenizer, messages, max_length: int) -> Example | str:
+    """One whole chat as an `Example` supervising only its last (assistant) turn, or why it is skipped.
+
+    The prompt is the template over `messages[:-1]` with the generation prompt; it must be a prefix of the
+    whole chat. A chat whose prompt alone fills `max_length` is skipped (nothing would be supervised).
+    """
+    problem = _malformed(messages)
+    if problem:
+        return problem
+    try:
+        ids = chat_ids(tokenizer, messages)
+        prompt = chat_prompt_ids(tokenizer, messages[:-1])
+    except (TemplateError, ValueError, TypeError):  # a template may reject a chat (roles out of order)
+        return "chat template failed"
+    if ids[: len(prompt)] != prompt:
+        return "prompt not a prefix of the chat"
+    if len(prompt) >= max_length:
+        return "prompt fills max_length"
+    return Example(ids, [IGNORE] * len(prompt) + ids[len(prompt) :])
+
+
+def tokenize_chats(
+    rows: datasets.Dataset, tokenizer, max_length: int, source: str
+) -> tuple[list[Example], DataReport]:
+    """Tokenize every row of one source, counting what is kept, cut and skipped (never silently).
+
+    Kept chats longer than `max_length` keep their first `max_length` tokens, so a long answer loses its
+    tail and its EOS (the reference code does the same).
+    """
+    report = DataReport(source)
+    examples = []
+    for messages in rows["messages"]:
+        report.rows += 1
+        result = tokenize_chat(tokenizer, messages, max_length)
+        if isinstance(result, str):
+            report.skipped[result] += 1
+            continue
+        report.kept += 1
+        if len(result.input_ids) > max_length:
+            report.truncated += 1
+            result = Example(result.input_ids[:max_length], result.labels[:max_length])
+        examples.append(result)
+    return examples, report

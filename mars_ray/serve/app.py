@@ -1,0 +1,380 @@
+"""The Serve application: an OpenAI-compatible FastAPI ingress in front of one engine deployment per model.
+
+    client --HTTP--> OpenAIIngress --DeploymentHandle (streaming)--> EngineDeployment (one per model)
+
+The ingress validates requests, routes by `model`, and turns the engine's chunks into OpenAI objects or
+server-sent events. Overload is Serve's backpressure: an engine replica takes `max_ongoing_requests`
+(rows plus its own short queue); beyond that `max_queued_requests` wait at the ingress, and the rest get a
+503 with Retry-After at once. A client that goes away cancels its handle call, which frees its row.
+`build_app` is the `import_path` of the YAMLs in `serve_configs/`.
+No `from __future__ import annotations` here: FastAPI must read the route annotations as real types
+through Serve's ingress wrapper.
+"""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve import metrics
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
+from ray.serve.deployment import Application
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from mars_ray.data import chat_prompt_ids
+from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
+from mars_ray.serve.controller import TauController
+from mars_ray.serve.engine import Chunk, Engine, EngineMetrics, EngineStats, RequestError, SamplingParams
+from mars_ray.serve.policy import tau_first_policy
+from mars_ray.serve.schema import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
+
+logger = logging.getLogger(__name__)
+api = FastAPI(title="mars-ray", description="OpenAI-compatible serving of MARS multi-token models")
+
+
+class UnknownModel(LookupError):
+    pass
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error") or first["msg"]
+        return JSONResponse(error_body(f"invalid JSON body: {reason}"), status_code=400)
+    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+    return JSONResponse(error_body(f"{param}: {first['msg']}", param), status_code=400)
+
+
+@api.exception_handler(RequestError)
+async def _unservable_request(request: Request, error: RequestError) -> JSONResponse:
+    # An engine's error arrives wrapped in a RayTaskError that also is a RequestError and reads its fields.
+    return JSONResponse(error_body(error.message, error.param), status_code=400)
+
+
+@api.exception_handler(UnknownModel)
+async def _unknown_model(request: Request, error: UnknownModel) -> JSONResponse:
+    message = f"The model `{error.args[0]}` does not exist."
+    return JSONResponse(error_body(message, "model", code="model_not_found"), status_code=404)
+
+
+def _overloaded(error: BackPressureError) -> JSONResponse:
+    """Serve's backpressure as an OpenAI error (Serve would answer a bare-text 503 itself)."""
+    headers = {} if error.retry_after_s is None else {"Retry-After": str(math.ceil(error.retry_after_s))}
+    body = error_body(f"The server is overloaded: {error.message}", kind="server_error", code="overloaded")
+    return JSONResponse(body, status_code=error.status_code, headers=headers)
+
+
+class ServeMetrics(EngineMetrics):
+    """The engine's figures as Ray Serve metrics, labelled by model (Serve adds deployment and replica)."""
+
+    def __init__(self, model: str) -> None:
+        def labelled(metric):
+            metric.set_default_tags({"model": model})
+            return metric
+
+        self.requests = labelled(
+            metrics.Counter(
+                "mars_requests", "Requests finished, by how they ended", tag_keys=("model", "finish_reason")
+            )
+        )
+        self.tokens = labelled(metrics.Counter("mars_generated_tokens", "Tokens generated", ("model",)))
+        self.forwards = labelled(metrics.Counter("mars_forward_passes", "Batched forward passes", ("model",)))
+        self.tokens_per_forward = labelled(
+            metrics.Histogram(
+                "mars_tokens_per_forward",
+                "Tokens a request accepted in one forward",
+                boundaries=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32],
+                tag_keys=("model",),
+            )
+        )
+        self.operating_tau = labelled(metrics.Gauge("mars_tau", "Operating tau of the replica", ("model",)))
+        self.queue_depth = labelled(metrics.Gauge("mars_queue_depth", "Requests waiting", ("model",)))
+        self.batch_size = labelled(metrics.Gauge("mars_batch_size", "Rows in the running batch", ("model",)))
+        self.ttft = labelled(
+            metrics.Histogram(
+                "mars_time_to_first_token_seconds",
+                "From arrival at the replica to the first accepted token",
+                boundaries=[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30],
+                tag_keys=("model",),
+            )
+        )
+        self.itl = labelled(
+            metrics.Histogram(
+                "mars_inter_token_latency_seconds",
+                "Time per token between a request's forwards",
+                boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1],
+                tag_keys=("model",),
+            )
+        )
+
+    def step(self, accepted: Sequence[int]) -> None:
+        self.forwards.inc()
+        self.tokens.inc(sum(accepted))
+        for count in accepted:
+            self.tokens_per_forward.observe(count)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def finished(self, reason: str) -> None:
+        self.requests.inc(tags={"finish_reason": reason})
+
+    def load(self, waiting: int, running: int) -> None:
+        self.queue_depth.set(waiting)
+        self.batch_size.set(running)
+
+    def tau(self, tau: float) -> None:
+        self.operating_tau.set(tau)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class StatusBoard:
+    """Where every engine replica posts its operating point each tick; read by `GET /v1/status`."""
+
+    def __init__(self, stale_after_s: float = 5.0) -> None:
+        self.stale_after_s = stale_after_s
+        self.replicas: dict[str, dict] = {}
+
+    def post(self, replica: str, status: dict) -> None:
+        self.replicas[replica] = {**status, "posted": time.time()}
+
+    def snapshot(self) -> dict[str, dict[str, dict]]:
+        """{model: {replica id: status}}, replicas silent for `stale_after_s` dropped (they are gone)."""
+        now = time.time()
+        self.replicas = {r: s for r, s in self.replicas.items() if now - s["posted"] < self.stale_after_s}
+        models: dict[str, dict[str, dict]] = {}
+        for replica, status in sorted(self.replicas.items()):
+            models.setdefault(status["model"], {})[replica] = status
+        return models
+
+
+@serve.deployment
+class EngineDeployment:
+    """One replica of one model: loads and warms up in its constructor, so ready means ready.
+
+    Its user_config holds the tau controller's knobs (`TauObjective`): `reconfigure` applies them in
+    place, so `serve deploy` with changed knobs reaches the running process. Each tick the controller
+    moves the engine's operating tau, the replica posts its status, and `record_autoscaling_stats`
+    hands the controller's state to the replica policy (`policy.tau_first_policy`).
+    """
+
+    async def __init__(self, config: ModelConfig, board: DeploymentHandle) -> None:
+        self.config, self.board = config, board
+        self.controller: TauController | None = None
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.engine = await asyncio.to_thread(Engine.load, config, ServeMetrics(config.served_name))
+        await self.engine.warm_up()
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+
+    def reconfigure(self, user_config: dict) -> None:
+        objective = TauObjective.model_validate(user_config)
+        if self.controller is None:
+            self.controller = TauController(objective, time.monotonic())
+        else:
+            self.controller.reconfigure(objective)
+        self.engine.tau = self.controller.tau
+
+    async def _tick_forever(self) -> None:
+        while True:
+            interval = self.controller.objective.interval_s if self.controller else 1.0
+            await asyncio.sleep(interval)
+            try:
+                stats = self.engine.stats()
+                if self.controller:
+                    self.engine.tau = self.controller.update(stats, time.monotonic())
+                await self.board.post.remote(self.replica, self.status(stats))
+            except Exception:  # a missed tick must not stop the next one
+                logger.exception("controller tick failed")
+
+    def status(self, stats: EngineStats | None = None) -> dict:
+        stats = stats or self.engine.stats()
+        status = {"model": self.config.served_name, "pid": os.getpid(), "stats": dataclasses.asdict(stats)}
+        if self.controller:
+            status["controller"] = dataclasses.asdict(self.controller.state)
+            status["objective"] = self.controller.objective.model_dump()
+        return status
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        if self.controller is None:
+            return {}
+        state = self.controller.state
+        flags = ("over_objective", "low_load", "at_floor", "at_ceiling")
+        return {"tau": state.tau, "goodput": state.goodput, **{f: float(getattr(state, f)) for f in flags}}
+
+    async def chat(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[Chunk]:
+        try:
+            prompt = chat_prompt_ids(self.engine.tokenizer, messages)
+        except jinja2.TemplateError as error:
+            raise RequestError(f"the chat template rejected the messages: {error}", "messages") from None
+        async for chunk in self.engine.generate(prompt, params, "messages"):
+            yield chunk
+
+    async def complete(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        ids = self.engine.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        async for chunk in self.engine.generate(ids, params, "prompt"):
+            yield chunk
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def ready(self) -> bool:
+        return True
+
+
+def _event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+@serve.deployment
+@serve.ingress(api)
+class OpenAIIngress:
+    """The HTTP face: OpenAI routes, one engine deployment handle per served model."""
+
+    def __init__(self, engines: dict[str, DeploymentHandle], board: DeploymentHandle) -> None:
+        self.engines, self.board = engines, board
+        self.created = int(time.time())
+
+    def _engine(self, model: str) -> DeploymentHandle:
+        if model not in self.engines:
+            raise UnknownModel(model)
+        return self.engines[model].options(stream=True)
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 once every model has a replica that is loaded and warmed up, else 503."""
+
+        async def ready(handle: DeploymentHandle) -> bool:
+            return await handle.ready.remote()
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(ready(h) for h in self.engines.values())), timeout=5)
+        except Exception as error:
+            return JSONResponse({"status": "unavailable", "reason": repr(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @api.get("/v1/status")
+    async def status(self) -> dict:
+        """Each live replica of each model: its operating tau, controller state, load and speed."""
+        return {"models": await self.board.snapshot.remote()}
+
+    @api.get("/v1/models")
+    async def list_models(self) -> dict:
+        models = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "mars-ray"}
+            for name in self.engines
+        ]
+        return {"object": "list", "data": models}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        messages = [m.as_template_input() for m in body.messages]
+        chunks = self._engine(body.model).chat.remote(messages, body.params())
+        return await self._respond(chunks, body, ResponseBuilder(chat=True, model=body.model))
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        chunks = self._engine(body.model).complete.remote(body.prompt, body.params())
+        return await self._respond(chunks, body, ResponseBuilder(chat=False, model=body.model))
+
+    async def _respond(
+        self,
+        chunks: DeploymentResponseGenerator,
+        body: ChatCompletionRequest | CompletionRequest,
+        builder: ResponseBuilder,
+    ):
+        """Wait until the engine accepts the request (errors still become status codes), then answer."""
+        try:
+            first = await chunks.__anext__()
+        except BackPressureError as error:
+            return _overloaded(error)
+        except BaseException:
+            chunks.cancel()
+            raise
+        if body.stream:
+            events = self._events(chunks, first, body.include_usage, builder)
+            return StreamingResponse(events, media_type="text/event-stream")
+        text, last = [first.text], first
+        try:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                last = chunk
+        finally:
+            if last.finish_reason is None:  # cancelled (the client left) or failed: free the row
+                chunks.cancel()
+        return builder.whole("".join(text), last)
+
+    async def _events(
+        self, chunks: DeploymentResponseGenerator, first: Chunk, include_usage: bool, builder: ResponseBuilder
+    ) -> AsyncIterator[str]:
+        last = first
+        try:
+            yield _event(builder.piece(first, first=True))
+            async for chunk in chunks:
+                last = chunk
+                yield _event(builder.piece(chunk, first=False))
+            if include_usage:
+                yield _event(builder.usage_piece(last))
+            yield _event("[DONE]")
+        except Exception as error:  # the status line is gone: report in the stream, as OpenAI does
+            yield _event(error_body(f"generation failed: {error}", kind="server_error"))
+        finally:
+            if last.finish_reason is None:  # the client left mid-stream (or it failed): free the row
+                chunks.cancel()
+
+
+def build_app(args: dict | AppConfig) -> Application:
+    """The application for an `AppConfig` (the `args` of a Serve YAML)."""
+    config = AppConfig.model_validate(args)
+    board = StatusBoard.bind()
+    # The tau knobs reach replicas only as user_config: with them out of the constructor's arguments, a
+    # `serve deploy` that changes only them updates running replicas in place instead of replacing them.
+    engines = {
+        model.served_name: _engine_deployment(model).bind(
+            model.model_copy(update={"tau_control": None}), board
+        )
+        for model in config.models
+    }
+    return OpenAIIngress.options(
+        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        max_ongoing_requests=config.ingress_max_ongoing_requests,
+    ).bind(engines, board)
+
+
+def _engine_deployment(model: ModelConfig):
+    """The engine deployment of one model: resources, backpressure, tau knobs, replica autoscaling."""
+    options = dict(
+        name=model.deployment_name,
+        ray_actor_options={"num_cpus": model.num_cpus, "num_gpus": model.num_gpus},
+        max_ongoing_requests=model.max_ongoing_requests,
+        max_queued_requests=model.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=503, retry_after_s=model.retry_after_s),
+        max_constructor_retry_count=3,  # a model that does not load fails soon, not after 20 tries
+    )
+    if model.tau_control:
+        options["user_config"] = model.tau_control.model_dump()
+    if model.max_replicas and model.max_replicas > model.num_replicas:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=model.num_replicas,
+            max_replicas=model.max_replicas,
+            upscale_delay_s=model.upscale_delay_s,
+            downscale_delay_s=model.downscale_delay_s,
+            look_back_period_s=model.look_back_period_s,
+            policy=AutoscalingPolicy(policy_function=tau_first_policy),
+        )
+    else:
+        options["num_replicas"] = model.num_replicas
+    return EngineDeployment.options(**options)

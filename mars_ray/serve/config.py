@@ -1,0 +1,113 @@
+"""The serving configuration: one typed object, the `args` of a Serve YAML and of `mars-ray serve`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class TauObjective(BaseModel):
+    """The operator's knobs (Serve `user_config`, live): the quality floor, the ceiling and the objective."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tau_min: float = Field(0.7, gt=0, le=1, description="quality floor: the controller never goes below")
+    tau_max: float = Field(1.0, gt=0, le=1, description="quality ceiling: where an idle replica sits")
+    tau_step: float = Field(0.05, gt=0, le=1)
+    metric: Literal["queue_depth", "ttft_p95", "itl_p95"] = "queue_depth"
+    target: float = Field(4.0, gt=0, description="objective: waiting requests, or seconds for latencies")
+    low_fraction: float = Field(0.5, ge=0, lt=1, description="raise tau below low_fraction x target")
+    patience: int = Field(2, ge=1, description="ticks in a row before acting")
+    interval_s: float = Field(1.0, gt=0)
+    min_gain: float = Field(0.03, ge=0, description="a lower tau must raise goodput by this fraction")
+    memory_s: float = Field(60.0, gt=0, description="forget goodput measurements older than this")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TauObjective:
+        if self.tau_min > self.tau_max:
+            raise ValueError(f"tau_min ({self.tau_min}) must not exceed tau_max ({self.tau_max})")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """One served model: its weights, its name in the API, how its replicas decode and how many there are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="local HF folder, Hub id, or preset (tiny, smollm2-135m)")
+    name: str | None = Field(None, description="the `model` clients ask for; default: derived from `model`")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "cpu"
+    tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
+    block_size: int = Field(4, ge=1, description="window for requests that do not set their own")
+    max_block_size: int = Field(16, ge=1, description="largest window a request may ask for")
+    max_tokens: int = Field(256, ge=1, description="default completion budget when a request sets none")
+    max_batch_size: int = Field(32, ge=1, description="rows decoded together per forward")
+    max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
+    torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
+    stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(64, ge=1, description="per replica: running plus waiting in the engine")
+    max_queued_requests: int = Field(64, ge=0, description="per caller, beyond which requests get a 503")
+    retry_after_s: float = Field(1.0, ge=0, description="the Retry-After a rejected request is given")
+    tau_control: TauObjective | None = Field(
+        None,
+        description="load-adaptive tau; None keeps `tau` fixed. It becomes the engine deployment's "
+        "user_config. In a Serve YAML put the knobs under `deployments: [{name: engine-<model>, "
+        "user_config: ...}]` instead: there `serve deploy` applies changes without restarting replicas",
+    )
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        description="autoscale from num_replicas up to this, replicas last: a replica is added only while "
+        "the tau controller (its user_config) has nothing left to trade",
+    )
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(30.0, ge=0)
+    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages the replicas' reports over this")
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.model.startswith(("/", ".", "~")):
+            return Path(self.model).expanduser().name
+        return self.model
+
+    @property
+    def deployment_name(self) -> str:
+        """Serve deployment names may not hold `#`; keep them to a plain alphabet."""
+        return "engine-" + re.sub(r"[^A-Za-z0-9_.-]", "-", self.served_name)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.block_size > self.max_block_size:
+            raise ValueError(f"block_size {self.block_size} exceeds max_block_size {self.max_block_size}")
+        if self.max_ongoing_requests < self.max_batch_size:
+            raise ValueError("max_ongoing_requests must be at least max_batch_size, or batches stay smaller")
+        if self.max_replicas is not None and self.max_replicas < self.num_replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} is below num_replicas {self.num_replicas}")
+        return self
+
+
+class AppConfig(BaseModel):
+    """The whole application: the models it serves and the ingress in front of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelConfig] = Field(min_length=1)
+    ingress_num_cpus: float = Field(0.1, gt=0)
+    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.served_name for m in models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served model names must be unique: {names}")
+        return models

@@ -1,0 +1,400 @@
+"""The replica's engine: continuous multi-token batching around `SlidingDecoder`, streamed per request.
+
+Requests wait in a queue. Before every forward the engine drops cancelled rows, admits waiting requests
+up to `max_batch_size` rows (a new row's prompt is prefilled inside that forward), and moves the requests
+that follow the replica's operating point (tau, window) to its current value. The forward runs in a worker
+thread so the event loop keeps taking requests and streaming text. Each row's accepted tokens become text
+at once; a row that finishes, hits a stop string or is cancelled leaves the batch before the next forward.
+No Ray here: the Serve deployment (`app.py`) wraps it and exports `EngineMetrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from mars_ray import models
+from mars_ray.core.decoding import DecodeConfig, DecodeState, SlidingDecoder
+from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.text import TextStream
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (HTTP 400); `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param)  # both in `args`, so the error pickles across Ray intact
+        self.message, self.param = message, param
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for. `tau` / `block_size` None: follow the replica's operating point."""
+
+    max_tokens: int | None = None
+    tau: float | None = None
+    block_size: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a request: new text, and the request's counters so far."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    forward_passes: int
+    finish_reason: str | None = None  # "stop" or "length" on the last chunk
+
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk followed by a later one, as one chunk."""
+        return dataclasses.replace(later, text=self.text + later.text)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A cheap snapshot of the replica: its operating point, its load and its recent speed and latency."""
+
+    tau: float
+    block_size: int
+    waiting: int
+    running: int
+    max_batch_size: int
+    tokens_per_s: float  # generated tokens over the last `window_s`
+    forwards_per_s: float
+    tokens_per_forward: float  # per row and forward, recent
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+    window_s: float
+    generated_tokens: int  # totals since start
+    forward_passes: int
+    finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
+
+
+class EngineMetrics:
+    """Where the engine reports what it does; the Serve deployment exports these (no-ops here)."""
+
+    def step(self, accepted: Sequence[int]) -> None:
+        """One forward, with the number of tokens each row accepted."""
+
+    def first_token(self, seconds: float) -> None:
+        """Time from a request's arrival to its first accepted token."""
+
+    def inter_token(self, seconds: float) -> None:
+        """Time per token between two of a request's forwards."""
+
+    def finished(self, reason: str) -> None:
+        """A request ended: stop, length, cancelled or error."""
+
+    def load(self, waiting: int, running: int) -> None:
+        """Requests waiting for a row, and rows in the batch."""
+
+    def tau(self, tau: float) -> None:
+        """The operating tau changed."""
+
+
+class _Request:
+    """One request inside the engine: its decode state, its text stream and its outbox."""
+
+    def __init__(self, state: DecodeState, text: TextStream, params: SamplingParams) -> None:
+        self.state, self.text, self.params = state, text, params
+        self.outbox: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        self.arrived = time.monotonic()
+        self.last_tokens_at: float | None = None
+        self.finish_reason: str | None = None  # stop, length, cancelled or error
+
+    def chunk(self, text: str) -> Chunk:
+        s = self.state
+        reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
+        return Chunk(text, len(s.prompt), len(s.tokens), s.forward_passes, reason)
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+class Engine:
+    """Continuous batching of MARS decoding for one model; `generate` streams `Chunk`s per request."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ModelConfig,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.metrics = metrics or EngineMetrics()
+        self.max_context = config.max_context or int(model.config.max_position_embeddings)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.stop_token_ids = models.stop_token_ids(model, tokenizer)
+        self.decoder = SlidingDecoder(model, tokenizer.mask_token_id, tokenizer.pad_token_id)
+        self._tau, self._block_size = config.tau, config.block_size
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}  # by id() of the decode state
+        self._cancelled: list[_Request] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mars-decode")
+        self._started = time.monotonic()
+        self._steps: deque[tuple[float, int, int]] = deque()  # (time, rows, tokens) within the window
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # the most recent, within the window
+        self._itl: deque[tuple[float, float]] = deque(maxlen=4096)
+        self._generated = self._forwards = 0
+        self._finished: Counter[str] = Counter()
+        self.metrics.tau(self._tau)
+
+    @classmethod
+    def load(cls, config: ModelConfig, metrics: EngineMetrics | None = None) -> Engine:
+        """Load the model through the same loader as training, with the replica's thread count."""
+        torch.set_num_threads(config.torch_threads or max(1, int(config.num_cpus)))
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
+        return cls(model, tokenizer, config, metrics)
+
+    # The operating point: requests without their own tau / block_size follow it from the next forward.
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    @tau.setter
+    def tau(self, tau: float) -> None:
+        if not 0 < tau <= 1:
+            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        self._tau = tau
+        self.metrics.tau(tau)
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, block_size: int) -> None:
+        if not 1 <= block_size <= self.config.max_block_size:
+            raise ValueError(f"block_size must be in [1, {self.config.max_block_size}], got {block_size}")
+        self._block_size = block_size
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
+    ) -> AsyncIterator[Chunk]:
+        """Stream one request: first an empty chunk once it is accepted (with its prompt length), then
+        a chunk per forward that produced text, the last one with its `finish_reason`. Closing the
+        iterator early (a client that went away) cancels the request and frees its row."""
+        request = self._new_request(list(prompt), params, prompt_field)
+        self._waiting.append(request)
+        self._start()
+        try:
+            yield request.chunk("")
+            while True:
+                item = await request.outbox.get()
+                while isinstance(item, Chunk) and not request.outbox.empty():
+                    later = request.outbox.get_nowait()  # a slow reader gets what piled up as one chunk
+                    item = item.then(later) if isinstance(later, Chunk) else later
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            if request.finish_reason is None:
+                request.finish_reason = "cancelled"
+                self._cancelled.append(request)
+                self._wake.set()
+
+    def _new_request(self, prompt: list[int], params: SamplingParams, prompt_field: str) -> _Request:
+        if not prompt:
+            raise RequestError("the prompt is empty", prompt_field)
+        if not all(0 <= token < self.vocab_size for token in prompt):
+            raise RequestError(f"token ids must be in [0, {self.vocab_size})", prompt_field)
+        room = self.max_context - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context}",
+                prompt_field,
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.max_tokens, room)
+        if max_tokens > room:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together more than "
+                f"this model's context of {self.max_context}",
+                "max_tokens",
+            )
+        block_size = self._block_size if params.block_size is None else params.block_size
+        if not 1 <= block_size <= self.config.max_block_size:
+            raise RequestError(f"block_size must be in [1, {self.config.max_block_size}]", "block_size")
+        try:
+            config = DecodeConfig(
+                tau=self._tau if params.tau is None else params.tau,
+                block_size=block_size,
+                max_new_tokens=max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                seed=params.seed,
+                stop_token_ids=self.stop_token_ids,
+            )
+        except ValueError as error:  # "invalid <field>: <value>"
+            field = str(error).removeprefix("invalid ").split(":")[0].replace("max_new_tokens", "max_tokens")
+            raise RequestError(str(error), field) from None
+        return _Request(DecodeState(prompt, config), TextStream(self.tokenizer, params.stop), params)
+
+    async def warm_up(self) -> None:
+        """One short request through the whole path, a MARS window included, before reporting ready."""
+        prompt = self.tokenizer("Hello")["input_ids"] or [self.tokenizer.eos_token_id]
+        async for _ in self.generate(prompt, SamplingParams(max_tokens=4, tau=0.5, block_size=2)):
+            pass
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        self._forget_before(now - self.config.stats_window_s)
+        span = min(self.config.stats_window_s, now - self._started) or 1.0
+        rows = sum(r for _, r, _ in self._steps)
+        tokens = sum(t for _, _, t in self._steps)
+        ttft, itl = [v for _, v in self._ttft], [v for _, v in self._itl]
+        return EngineStats(
+            tau=self._tau,
+            block_size=self._block_size,
+            waiting=len(self._waiting),
+            running=len(self._running),
+            max_batch_size=self.config.max_batch_size,
+            tokens_per_s=tokens / span,
+            forwards_per_s=len(self._steps) / span,
+            tokens_per_forward=tokens / rows if rows else 0.0,
+            ttft_p50_s=_percentile(ttft, 0.5),
+            ttft_p95_s=_percentile(ttft, 0.95),
+            itl_p50_s=_percentile(itl, 0.5),
+            itl_p95_s=_percentile(itl, 0.95),
+            window_s=self.config.stats_window_s,
+            generated_tokens=self._generated,
+            forward_passes=self._forwards,
+            finished=dict(self._finished),
+        )
+
+    def _forget_before(self, horizon: float) -> None:
+        for samples in (self._steps, self._ttft, self._itl):
+            while samples and samples[0][0] < horizon:
+                samples.popleft()
+
+    def _start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._wake.set()
+
+    async def _run(self) -> None:
+        """The decode loop: prepare the batch, one forward in the worker thread, hand out the tokens."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self._drop_cancelled()
+                self._admit()
+                self.metrics.load(len(self._waiting), len(self._running))
+                if not self._running:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                self._follow_operating_point()
+                rows = [self._running[id(state)] for state in self.decoder.seqs]
+                accepted = await loop.run_in_executor(self._executor, self.decoder.step)
+                self._deliver(rows, accepted, time.monotonic())
+            except Exception as error:  # a failed step fails the requests in the batch, not the replica
+                logger.exception("decode step failed")
+                self._fail_running(error)
+
+    def _drop_cancelled(self) -> None:
+        if not self._cancelled:
+            return
+        gone = {id(r.state) for r in self._cancelled}
+        self._waiting = deque(r for r in self._waiting if id(r.state) not in gone)
+        leaving = [state for state in self.decoder.seqs if id(state) in gone]
+        if leaving:
+            self.decoder.remove(leaving)
+        for request in self._cancelled:
+            self._running.pop(id(request.state), None)
+            self._finished["cancelled"] += 1
+            self.metrics.finished("cancelled")
+        self._cancelled.clear()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            request = self._waiting.popleft()
+            self._running[id(request.state)] = request
+            self.decoder.add(request.state)
+
+    def _follow_operating_point(self) -> None:
+        for request in self._running.values():
+            config = request.state.config
+            tau = self._tau if request.params.tau is None else request.params.tau
+            block_size = self._block_size if request.params.block_size is None else request.params.block_size
+            if (config.tau, config.block_size) != (tau, block_size):
+                request.state.config = dataclasses.replace(config, tau=tau, block_size=block_size)
+
+    def _deliver(self, rows: list[_Request], accepted: list[list[int]], now: float) -> None:
+        """Each row's new tokens become text; finished rows are answered and leave."""
+        stopped = []
+        for request, tokens in zip(rows, accepted, strict=True):
+            if request.finish_reason == "cancelled":
+                continue  # its reader is gone; the row leaves before the next forward
+            if request.last_tokens_at is None:
+                ttft = now - request.arrived
+                self._ttft.append((now, ttft))
+                self.metrics.first_token(ttft)
+            elif tokens:
+                itl = (now - request.last_tokens_at) / len(tokens)
+                self._itl.append((now, itl))
+                self.metrics.inter_token(itl)
+            request.last_tokens_at = now
+            text = request.text.push(tokens)
+            if request.text.stopped:
+                request.finish_reason = "stop"
+                stopped.append(request.state)
+            elif request.state.finished:
+                request.finish_reason = request.state.finish_reason
+                text += request.text.finish()
+            if text or request.finish_reason:
+                request.outbox.put_nowait(request.chunk(text))
+            if request.finish_reason:
+                self._running.pop(id(request.state))
+                self._finished[request.finish_reason] += 1
+                self.metrics.finished(request.finish_reason)
+        still_batched = [s for s in stopped if any(s is row for row in self.decoder.seqs)]
+        if still_batched:
+            self.decoder.remove(still_batched)
+        self._steps.append((now, len(rows), sum(map(len, accepted))))
+        self._forget_before(now - self.config.stats_window_s)
+        self._generated += sum(map(len, accepted))
+        self._forwards += 1
+        self.metrics.step([len(a) for a in accepted])
+
+    def _fail_running(self, error: Exception) -> None:
+        """Answer every batched request with the error and start from an empty cache."""
+        for request in self._running.values():
+            if request.finish_reason is None:
+                request.finish_reason = "error"
+                request.outbox.put_nowait(RuntimeError(f"decoding failed: {error}"))
+                self._finished["error"] += 1
+                self.metrics.finished("error")
+        self._running.clear()
+        self.decoder = SlidingDecoder(self.model, self.tokenizer.mask_token_id, self.tokenizer.pad_token_id)

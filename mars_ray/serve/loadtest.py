@@ -1,0 +1,279 @@
+"""Served speed at fixed concurrency: MARS at several tau against the AR baseline, same replica, same run.
+
+    python -m mars_ray.serve.loadtest --model PATH [--concurrency 8] [--requests 64] [--taus 1.0 0.9]
+
+Starts its own local Ray + Serve app on 127.0.0.1 (or targets `--url`), then for each setting sends
+`--requests` chat requests from the held-out prompts through `--concurrency` streaming clients and reports
+served tokens/s, request latency and time to first token (p50/p95), and tokens per forward. The AR
+baseline is the same replica at `block_size=1`: no mask tokens at all, plain KV-cache decoding. `--hf-peer`
+adds transformers' static-batch `generate` on the same machine (offline, no server) for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from mars_ray import data
+
+
+@dataclass
+class RequestRecord:
+    started: float
+    first_token: float | None  # when the first text arrived
+    finished: float
+    completion_tokens: int
+    forward_passes: int
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.started
+
+
+@dataclass
+class Setting:
+    label: str
+    tau: float
+    block_size: int
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
+    """One streamed chat completion, timed from send to `[DONE]`."""
+    started, first, usage = time.perf_counter(), None, None
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+            usage = event.get("usage") or usage
+    return RequestRecord(
+        started, first, time.perf_counter(), usage["completion_tokens"], usage["forward_passes"]
+    )
+
+
+async def run_clients(
+    url: str, bodies: list[dict], concurrency: int, timeout_s: float = 600
+) -> tuple[list[RequestRecord], float]:
+    """Send `bodies` through `concurrency` clients, each taking the next body when its last one ends.
+
+    Returns the records and the wall time from the first send to the last answer."""
+    queue = list(reversed(bodies))
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                records.append(await stream_chat(client, url, queue.pop()))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records, time.perf_counter() - started
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def summarize(label: str, records: list[RequestRecord], wall: float) -> dict:
+    tokens = sum(r.completion_tokens for r in records)
+    latencies = [r.latency for r in records]
+    ttft = [r.first_token - r.started for r in records if r.first_token is not None]
+    return {
+        "setting": label,
+        "requests": len(records),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_forward": tokens / max(1, sum(r.forward_passes for r in records)),
+        "latency_p50_s": percentile(latencies, 0.5),
+        "latency_p95_s": percentile(latencies, 0.95),
+        "ttft_p50_s": percentile(ttft, 0.5) if ttft else float("nan"),
+        "ttft_p95_s": percentile(ttft, 0.95) if ttft else float("nan"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        "| setting | requests | tokens | tokens/s | tok/fwd | latency p50 s | p95 s | TTFT p50 s | p95 s |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['setting']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_forward']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
+            f"{r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def heldout_chats(source: str, count: int) -> list[list[dict]]:
+    """Prompts the model was not trained on: held-out chats without their last (assistant) turn."""
+    rows = (
+        data.verifiable_tasks("heldout", count=count)
+        if source == "tasks"
+        else data.chatterbot_dialogs("heldout")
+    )
+    return [row["messages"][:-1] for row in rows[:count]]
+
+
+def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict:
+    """transformers `generate`, greedy, left-padded static batches of `--concurrency`: the offline peer."""
+    import torch
+
+    from mars_ray import models
+
+    torch.set_num_threads(args.torch_threads)
+    model, tokenizer = models.load(args.model)
+    eos = models.stop_token_ids(model, tokenizer)
+    tokens, started = 0, time.perf_counter()
+    for i in range(0, len(chats), args.concurrency):
+        prompts = [data.chat_prompt_ids(tokenizer, m) for m in chats[i : i + args.concurrency]]
+        longest = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (longest - len(p)) + p for p in prompts])
+        attention = (
+            torch.arange(longest)[None] >= torch.tensor([longest - len(p) for p in prompts])[:, None]
+        ).long()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=False,
+            max_new_tokens=args.max_tokens,
+            eos_token_id=list(eos),
+            pad_token_id=tokenizer.pad_token_id,
+        )[:, longest:].tolist()
+        for row in out:
+            ends = [j for j, t in enumerate(row) if t in eos]
+            tokens += ends[0] + 1 if ends else len(row)
+    wall = time.perf_counter() - started
+    nan = float("nan")
+    return {
+        "setting": f"HF generate, static batch {args.concurrency} (offline)",
+        "requests": len(chats),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_forward": 1.0,
+        **dict.fromkeys(["latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s"], nan),
+    }
+
+
+def measure(url: str, name: str, settings: list[Setting], chats: list[list[dict]], args) -> list[dict]:
+    """Warm every setting up, then let the settings take turns, round by round, each on its share of the
+    prompts: a shared machine's load drifts, and this way every setting meets the same drift."""
+    for setting in settings:
+        extra = {"tau": setting.tau, "block_size": setting.block_size}
+        asyncio.run(
+            run_clients(url, [{"model": name, "messages": chats[0], "max_tokens": 8, **extra}] * 2, 2)
+        )
+    results = {setting.label: ([], 0.0) for setting in settings}
+    for round_index in range(args.rounds):
+        for setting in settings:
+            extra = {"tau": setting.tau, "block_size": setting.block_size, "max_tokens": args.max_tokens}
+            bodies = [{"model": name, "messages": m, **extra} for m in chats[round_index :: args.rounds]]
+            records, wall = asyncio.run(run_clients(url, bodies, args.concurrency))
+            done, seconds = results[setting.label]
+            results[setting.label] = (done + records, seconds + wall)
+            speed = sum(r.completion_tokens for r in records) / wall
+            print(
+                f"round {round_index + 1}, {setting.label}: {speed:.1f} tokens/s", file=sys.stderr, flush=True
+            )
+    return [summarize(label, records, wall) for label, (records, wall) in results.items()]
+
+
+def start_server(args: argparse.Namespace) -> str:
+    """A local Ray of its own and one engine replica of `--model` on 127.0.0.1."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from mars_ray.serve.app import build_app
+
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    model = {
+        "model": args.model,
+        "name": "bench",
+        "num_cpus": args.num_cpus,
+        "torch_threads": args.torch_threads,
+        "max_tokens": args.max_tokens,
+        "max_batch_size": max(args.concurrency, 1),
+        "max_block_size": max(args.block_size, 16),
+        "max_ongoing_requests": max(64, 2 * args.concurrency),
+    }
+    serve.run(build_app({"models": [model]}), name="mars-bench", route_prefix="/")
+    return f"http://127.0.0.1:{args.port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m mars_ray.serve.loadtest", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset, to validate)")
+    parser.add_argument("--url", help="an app already serving --model-name (default: start one here)")
+    parser.add_argument("--model-name", default="bench", help="the served model name, with --url")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=64, help="per setting")
+    parser.add_argument("--rounds", type=int, default=2, help="settings alternate this many times")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9])
+    parser.add_argument("--block-size", type=int, default=4, help="the MARS window (the training block size)")
+    parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
+    parser.add_argument("--port", type=int, default=8124)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
+    parser.add_argument("--torch-threads", type=int, help="default: the replica's whole CPUs, at least 1")
+    parser.add_argument(
+        "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
+    )
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default
+
+    chats = heldout_chats(args.source, args.requests)
+    settings = [Setting("AR baseline (KV cache, block_size=1)", 1.0, 1)]
+    settings += [
+        Setting(f"MARS tau={tau} (block_size={args.block_size})", tau, args.block_size) for tau in args.taus
+    ]
+    url = args.url or start_server(args)
+    name = args.model_name if args.url else "bench"
+    try:
+        rows = measure(url, name, settings, chats, args)
+    finally:
+        if not args.url:
+            import ray
+
+            ray.shutdown()
+    if args.hf_peer:
+        rows.append(hf_static_batches(args, chats))
+
+    print(
+        f"{time.strftime('%Y-%m-%d')} · {platform.machine()} {os.cpu_count()} CPUs · {args.model} · "
+        f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
+        f"concurrency {args.concurrency}, "
+        f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}"
+    )
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The load-adaptive tau, proven under a ramp: fixed tau=1.0, fixed tau=tau_min, and the controller.
+
+    python -m mars_ray.serve.ramp --model PATH [--levels 1 4 8 16 16 8 2] [--stage-s 15] [--out DIR]
+
+For each mode, a local Serve app with one replica of `--model` on 127.0.0.1 takes the same bounded ramp of
+closed-loop streaming clients (`--levels`, `--stage-s` seconds each), then `--tail-s` idle seconds (the
+controller should return to tau_max there). The run samples `GET /v1/status` twice a second (tau, replicas,
+queue) and records every request. It prints a table (throughput, request latency and per-token latency
+p50/p95 under load, time-weighted tau, final tau) and writes `ramp.json` and `ramp.png` (throughput,
+p95 per-token latency against the objective, and tau, over time). It stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from mars_ray.serve.loadtest import heldout_chats, percentile
+
+
+@dataclass
+class Record:
+    started: float
+    first: float | None
+    finished: float
+    tokens: int
+
+    @property
+    def per_token(self) -> float | None:
+        """Seconds per token after the first: what a reader of the stream waits between tokens."""
+        if self.first is None or self.tokens < 2:
+            return None
+        return (self.finished - self.first) / (self.tokens - 1)
+
+
+@dataclass
+class Sample:
+    at: float
+    clients: int
+    tau: float | None
+    replicas: int
+    waiting: int
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Record:
+    started, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+    return Record(started, first, time.perf_counter(), tokens)
+
+
+async def ramp(
+    url: str, chats: list[list[dict]], args: argparse.Namespace
+) -> tuple[list[Record], list[Sample]]:
+    """Drive the ramp: client i is active while the stage's level exceeds i; sample status meanwhile."""
+    records: list[Record] = []
+    samples: list[Sample] = []
+    level = 0
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=max(args.levels) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def run_client(index: int) -> None:
+            turn = index
+            while not stop.is_set():
+                if index >= level:
+                    await asyncio.sleep(0.05)
+                    continue
+                messages = chats[turn % len(chats)]
+                turn += max(args.levels)
+                body = {
+                    "model": "bench",
+                    "messages": messages,
+                    "max_tokens": args.max_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                records.append(await stream_one(client, url, body))
+
+        async def watch() -> None:
+            while not stop.is_set():
+                try:
+                    status = (await client.get(f"{url}/v1/status")).json()["models"].get("bench", {})
+                except (httpx.HTTPError, ValueError):
+                    status = {}
+                taus = [s.get("controller", {}).get("tau", s["stats"]["tau"]) for s in status.values()]
+                waiting = sum(s["stats"]["waiting"] for s in status.values())
+                tau = sum(taus) / len(taus) if taus else None
+                samples.append(Sample(time.perf_counter(), level, tau, len(status), waiting))
+                await asyncio.sleep(0.5)
+
+        tasks = [asyncio.create_task(run_client(i)) for i in range(max(args.levels))]
+        tasks.append(asyncio.create_task(watch()))
+        for stage_level in args.levels:
+            level = stage_level  # the clients read it
+            await asyncio.sleep(args.stage_s)
+        level = 0
+        await asyncio.sleep(args.tail_s)
+        stop.set()
+        await asyncio.gather(*tasks)
+    return records, samples
+
+
+def time_weighted_mean(points: list[tuple[float, float]]) -> float:
+    """Mean of a step function given as (time, value) points."""
+    if len(points) < 2:
+        return float("nan")
+    area = sum(value * (later - at) for (at, value), (later, _) in zip(points, points[1:], strict=False))
+    return area / (points[-1][0] - points[0][0])
+
+
+def summarize(mode: str, records: list[Record], samples: list[Sample], start: float, args) -> dict:
+    loaded_until = start + args.stage_s * len(args.levels)
+    loaded = [r for r in records if r.finished <= loaded_until + 30]
+    peak_from = start + args.stage_s * args.levels.index(max(args.levels))
+    peak = [r for r in loaded if r.started >= peak_from and r.started < peak_from + args.stage_s * 2]
+    per_token = [p for r in peak if (p := r.per_token) is not None]
+    latencies = [r.finished - r.started for r in peak]
+    span = max(r.finished for r in loaded) - start if loaded else 1.0
+    weighted = time_weighted_mean(
+        [(s.at, s.tau) for s in samples if s.tau is not None and s.at <= loaded_until]
+    )
+    final = [s.tau for s in samples if s.tau is not None]
+    return {
+        "mode": mode,
+        "requests": len(loaded),
+        "tokens_per_s": sum(r.tokens for r in loaded) / span,
+        "peak_latency_p50_s": percentile(latencies, 0.5) if latencies else float("nan"),
+        "peak_latency_p95_s": percentile(latencies, 0.95) if latencies else float("nan"),
+        "peak_per_token_p50_s": percentile(per_token, 0.5) if per_token else float("nan"),
+        "peak_per_token_p95_s": percentile(per_token, 0.95) if per_token else float("nan"),
+        "mean_tau": weighted,
+        "final_tau": final[-1] if final else float("nan"),
+        "max_replicas": max((s.replicas for s in samples), default=0),
+    }
+
+
+def table(rows: list[dict], target: float) -> str:
+    lines = [
+        "| mode | requests | tokens/s | p50 latency s | p95 latency s | p50 s/token | p95 s/token "
+        f"| p95 vs objective ({target:g} s/token) | mean tau | tau after load | replicas |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['peak_latency_p50_s']:.2f} "
+            f"| {r['peak_latency_p95_s']:.2f} | {r['peak_per_token_p50_s']:.4f} "
+            f"| {r['peak_per_token_p95_s']:.4f} "
+            f"| {r['peak_per_token_p95_s'] / target:.2f}x | {r['mean_tau']:.3f} | {r['final_tau']:.2f} "
+            f"| {r['max_replicas']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, tuple[list[Record], list[Sample], float]], target: float, path: Path, bin_s: float):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    for mode, (records, samples, start) in runs.items():
+        end = max(s.at for s in samples) - start
+        edges = [i * bin_s for i in range(int(end / bin_s) + 1)]
+        done = [[r for r in records if e <= r.finished - start < e + bin_s] for e in edges]
+        axes[0].plot(edges, [sum(r.tokens for r in d) / bin_s for d in done], label=mode)
+        p95 = [percentile(v, 0.95) if (v := [p for r in d if (p := r.per_token)]) else None for d in done]
+        axes[1].plot(edges, [float("nan") if p is None else p for p in p95], label=mode)
+        axes[2].step(
+            [s.at - start for s in samples],
+            [s.tau if s.tau else float("nan") for s in samples],
+            where="post",
+            label=mode,
+        )
+        axes[3].step([s.at - start for s in samples], [s.replicas for s in samples], where="post", label=mode)
+    clients_x = [s.at - start for s in samples]
+    twin = axes[0].twinx()
+    twin.step(clients_x, [s.clients for s in samples], where="post", color="grey", alpha=0.4)
+    twin.set_ylabel("clients (grey)")
+    axes[1].axhline(target, color="red", linestyle="--", label="objective")
+    axes[0].set_ylabel("tokens/s")
+    axes[1].set_ylabel("p95 s/token")
+    axes[2].set_ylabel("operating tau")
+    axes[3].set_ylabel("replicas")
+    axes[3].set_xlabel("seconds")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Ramp: fixed tau=1.0, fixed tau=tau_min, load-adaptive tau (same replica count)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def serve_mode(mode: str, args: argparse.Namespace) -> str:
+    """(Re)deploy the app for one mode: fixed tau, or the controller with the objective."""
+    from ray import serve
+
+    from mars_ray.serve.app import build_app
+
+    model = {
+        "model": args.model,
+        "name": "bench",
+        "block_size": args.block_size,
+        "num_cpus": args.num_cpus,
+        "max_tokens": args.max_tokens,
+        "max_batch_size": max(args.levels),
+        "max_ongoing_requests": 2 * max(args.levels),
+        "stats_window_s": 5.0,
+    }
+    if mode == "controller":
+        model["tau_control"] = {
+            "tau_min": args.tau_min,
+            "tau_max": 1.0,
+            "tau_step": args.tau_step,
+            "metric": "itl_p95",
+            "target": args.target,
+            "patience": 2,
+            "interval_s": 1.0,
+        }
+    else:
+        model["tau"] = 1.0 if mode == "tau=1.0" else args.tau_min
+    serve.run(build_app({"models": [model]}), name="ramp", route_prefix="/")
+    return f"http://127.0.0.1:{args.port}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mars_ray.serve.ramp", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset)")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 16, 8, 2])
+    parser.add_argument("--stage-s", type=float, default=15.0)
+    parser.add_argument("--tail-s", type=float, default=20.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tau-min", type=float, default=0.7)
+    parser.add_argument("--tau-step", type=float, default=0.05)
+    parser.add_argument("--target", type=float, default=0.03, help="objective: p95 seconds per token")
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--num-cpus", type=float, default=1.0)
+    parser.add_argument("--port", type=int, default=8125)
+    parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
+    parser.add_argument("--out", type=Path, default=Path("results/ramp"))
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    chats = heldout_chats(args.source, 200)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    runs, rows = {}, []
+    try:
+        for mode in ("tau=1.0", f"tau={args.tau_min:g}", "controller"):
+            url = serve_mode(mode, args)
+            start = time.perf_counter()
+            records, samples = asyncio.run(ramp(url, chats, args))
+            runs[mode] = (records, samples, start)
+            rows.append(summarize(mode, records, samples, start, args))
+            print(
+                f"{mode}: {rows[-1]['tokens_per_s']:.1f} tokens/s, final tau {rows[-1]['final_tau']}",
+                flush=True,
+            )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(runs, args.target, args.out / "ramp.png", bin_s=max(args.stage_s / 3, 1.0))
+    dump = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "rows": rows,
+        "runs": {
+            mode: {"records": [asdict(r) for r in rec], "samples": [asdict(s) for s in sam], "start": st}
+            for mode, (rec, sam, st) in runs.items()
+        },
+    }
+    (args.out / "ramp.json").write_text(json.dumps(dump, indent=1))
+    print(
+        f"{time.strftime('%Y-%m-%d')} · {platform.machine()} {os.cpu_count()} CPUs · {args.model} · "
+        f"levels {args.levels} x {args.stage_s:g}s, tail {args.tail_s:g}s, max_tokens {args.max_tokens}"
+    )
+    print(table(rows, args.target))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The OpenAI wire format: request bodies (validated, 400 on a bad field) and response objects.
+
+Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `n`, which
+must be 1. MARS adds `tau` and `block_size` (the `openai` client sends them through `extra_body`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mars_ray.serve.engine import Chunk, SamplingParams
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template takes it: text parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
+    block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and len(stop) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return stop
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            tau=self.tau,
+            block_size=self.block_size,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=tuple(stop),
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def params(self) -> SamplingParams:
+        return self.sampling(self.max_completion_tokens or self.max_tokens)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+            return prompt[0]
+        return prompt
+
+    def params(self) -> SamplingParams:
+        return self.sampling(self.max_tokens)
+
+
+def error_body(
+    message: str, param: str | None = None, kind: str = "invalid_request_error", code: str | None = None
+) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage(chunk: Chunk) -> dict:
+    return {
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+        "forward_passes": chunk.forward_passes,
+    }
+
+
+class ResponseBuilder:
+    """The response objects of one request, chat or text completion, whole or streamed."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, object_type: str, choices: list, **extra) -> dict:
+        return {
+            "id": self.id,
+            "object": object_type,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def whole(self, text: str, last: Chunk) -> dict:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": last.finish_reason}
+            return self._envelope("chat.completion", [choice], usage=usage(last))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return self._envelope("text_completion", [choice], usage=usage(last))
+
+    def piece(self, chunk: Chunk, first: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
+            if chunk.finish_reason and not chunk.text:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_piece(self, last: Chunk) -> dict:
+        """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
+        object_type = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(object_type, [], usage=usage(last))

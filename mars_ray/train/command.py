@@ -1,0 +1,26 @@
+"""`mars-ray train --config FILE [key=value ...]`: the two-stage recipe on Ray Train."""
+
+from __future__ import annotations
+
+import argparse
+
+from mars_ray.train.config import TrainConfig, load_config
+from mars_ray.train.run import run_training
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    keys = ", ".join(TrainConfig.model_fields)
+    parser = subparsers.add_parser(
+        "train",
+        help="AR SFT then MARS on Ray Train workers",
+        description=f"Config keys: {keys}.",
+    )
+    parser.add_argument("--config", help="YAML file of config keys (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="replace a config value (YAML)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    finals = run_training(load_config(args.config, args.overrides))
+    for stage, folder in finals.items():
+        print(f"{stage}: {folder}")

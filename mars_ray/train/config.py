@@ -1,0 +1,115 @@
+"""One typed object describes a training run; it is checked in full before any Ray worker starts.
+
+A YAML file sets the fields and `key=value` overrides (values parsed as YAML) replace them, nanoGPT style.
+Unknown keys, wrong types, bad ranges and a model path that does not exist fail here, naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mars_ray import models
+
+Stage = Literal["ar-sft", "mars"]
+
+
+class TrainConfig(BaseModel):
+    """The two-stage MARS recipe (AR SFT, then MARS from its result) with one set of hyperparameters.
+
+    Defaults follow the paper's 0.5B recipe (lr 5e-6, cosine, 3% warmup, clip 1.0, no weight decay, B=4,
+    ar_weight 1, max_length 512, seed 42) except the batch, which is per worker and micro-step here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # what to train, on what, and where results go
+    model: str = Field(description="preset (tiny, smollm2-135m), local HF folder or Hub id")
+    datasets: list[str] = Field(
+        default=["tasks", "chatterbot"],
+        min_length=1,
+        description="mixed sources: bundled (tasks, chatterbot), .jsonl/.json/.parquet/folders, Hub ids",
+    )
+    dataset_split: str = Field(
+        default="train", description="split of Hub and folder datasets (bundled: train)"
+    )
+    tasks_count: int = Field(default=4000, ge=1, description="rows generated for the bundled `tasks`")
+    max_length: int = Field(default=512, ge=2, description="tokens kept per chat (its first ones)")
+    name: str = Field(default="mars", pattern=r"^[\w.-]+$", description="run name; rerunning it resumes")
+    output_dir: str = Field(default=str(models.home() / "runs"), description="runs live in output_dir/name")
+    stages: list[Stage] = Field(default=["ar-sft", "mars"], min_length=1)
+    # the MARS objective
+    block_size: int = Field(default=4, ge=2, description="B: tokens predicted per block in stage mars")
+    ar_weight: float = Field(default=1.0, ge=0, description="weight of the clean-stream (AR) loss")
+    # optimisation (the same for both stages)
+    epochs: float = Field(
+        default=5.0, gt=0, description="passes over the data per stage, unless steps is set"
+    )
+    steps: int | None = Field(default=None, ge=1, description="optimizer steps per stage")
+    batch_size: int = Field(default=8, ge=1, description="examples per worker per micro-step")
+    grad_accum: int = Field(default=1, ge=1, description="micro-steps per optimizer step")
+    group_by_length: bool = Field(default=False, description="batch chats of similar length (less padding)")
+    lr: float = Field(default=5e-6, gt=0)
+    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    seed: int = 42
+    # Ray Train
+    num_workers: int = Field(default=2, ge=1)
+    cpus_per_worker: int = Field(default=1, ge=1, description="also the torch threads of a CPU worker")
+    use_gpu: bool = Field(default=False, description="one GPU per worker, NCCL, bf16 autocast")
+    checkpoint_every: int = Field(default=100, ge=1, description="steps between checkpoints (and at the end)")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    max_failures: int = Field(default=3, ge=0, description="worker-group restarts from the last checkpoint")
+
+    @field_validator("datasets", "stages", mode="before")
+    @classmethod
+    def _comma_separated(cls, value):
+        """`datasets=tasks,chatterbot` on the command line means a list."""
+        return [item.strip() for item in value.split(",")] if isinstance(value, str) else value
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, value: str) -> str:
+        """A path must be a model folder now; presets are built and Hub ids fetched when the run starts."""
+        if value not in models.PRESETS:
+            try:
+                models.resolve(value)
+            except FileNotFoundError as error:
+                raise ValueError(str(error)) from None
+        return value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        return str(Path(value).expanduser().resolve())
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+    @property
+    def global_batch(self) -> int:
+        """Examples per optimizer step, over all workers and micro-steps."""
+        return self.batch_size * self.grad_accum * self.num_workers
+
+    def total_steps(self, num_examples: int) -> int:
+        return self.steps or max(1, math.ceil(self.epochs * num_examples / self.global_batch))
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """A `TrainConfig` from a YAML file (or none) and `key=value` overrides, validated."""
+    values = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not key=value")
+        values[key.strip()] = yaml.safe_load(value)
+    return TrainConfig(**values)

@@ -1,0 +1,175 @@
+"""The driver: prepare the data once, then run each stage as a Ray Train `TorchTrainer` fit.
+
+A run lives in `output_dir/name/`:
+
+    config.yaml        the config it was started with (a rerun must match it)
+    data_report.json   rows kept, truncated and skipped (by reason) for each source
+    ar-sft/            Ray Train's run folder: checkpoint_000100/ ..., metrics.jsonl, and
+      final/           the stage's result, a plain `save_pretrained` folder (stage 2 starts from it)
+    mars/
+      final/
+
+Rerunning the same name skips finished stages and resumes an unfinished one from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import ray.train
+import yaml
+from ray.train.torch import TorchTrainer
+from transformers import AutoTokenizer
+
+from mars_ray import data, models
+from mars_ray.core.objective import Example
+from mars_ray.train.config import Stage, TrainConfig
+from mars_ray.train.loop import TRAINER_STATE, train_worker
+
+RESUMABLE_CHANGES = {"max_failures", "checkpoint_every", "keep_checkpoints"}  # safe to change on a rerun
+# Ray Train's controller collects reports when it polls the workers (every 2 s by default), and a worker's
+# report waits until its previous one was collected: with per-step reports, a 2 s poll caps training at one
+# step per 2 s. The controller reads this variable from the driver's environment.
+POLL_INTERVAL = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+
+
+def prepare_data(config: TrainConfig, tokenizer) -> tuple[list[Example], list[data.DataReport]]:
+    """Load and tokenize every source on the driver, before any worker starts; report what was skipped."""
+    examples, reports = [], []
+    for i, source in enumerate(config.datasets):
+        split = "train" if source in data.BUNDLED_SOURCES else config.dataset_split  # never their held-out
+        try:
+            rows = data.load_chats(source, split, config.tasks_count)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"datasets[{i}]: {error}") from None
+        source_examples, report = data.tokenize_chats(rows, tokenizer, config.max_length, source)
+        examples += source_examples
+        reports.append(report)
+    if not examples:
+        raise ValueError(f"datasets: no usable rows in {config.datasets}")
+    return examples, reports
+
+
+def _check_rerun(config: TrainConfig) -> None:
+    """A run name is resumed only under the config it started with: its checkpoints depend on it."""
+    saved_path = config.run_dir / "config.yaml"
+    current = config.model_dump()
+    if saved_path.exists():
+        saved = yaml.safe_load(saved_path.read_text())
+        changed = sorted(k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k))
+        if set(changed) - RESUMABLE_CHANGES:
+            raise ValueError(
+                f"run {config.name!r} in {config.output_dir} has other values for {', '.join(changed)}:"
+                " use another name, or the same config to resume"
+            )
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    saved_path.write_text(yaml.safe_dump(current, sort_keys=False))
+
+
+class ProgressLog(ray.train.UserCallback):
+    """Runs in the Ray Train controller: every step into `metrics.jsonl`, and a line on the driver's console
+    at most every `PRINT_EVERY_S` seconds, and at every checkpoint."""
+
+    PRINT_EVERY_S = 1.0
+
+    def __init__(self, stage: Stage, total_steps: int, path: Path) -> None:
+        self.stage, self.total_steps, self.path = stage, total_steps, path
+        self.printed = 0.0
+
+    def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
+        step = metrics[0]  # the rank-0 worker's; the losses are already summed over workers
+        now = time.time()
+        with self.path.open("a") as log:
+            log.write(json.dumps({**step, "checkpoint": checkpoint is not None, "time": now}) + "\n")
+        if not checkpoint and now - self.printed < self.PRINT_EVERY_S:
+            return
+        self.printed = now
+        parts = "".join(
+            f" {name[:-5]} {step[name]:.3f}" for name in ("noisy_loss", "clean_loss") if name in step
+        )
+        print(
+            f"[{self.stage}] step {step['step']}/{self.total_steps} epoch {step['epoch']:.2f} "
+            f"loss {step['loss']:.4f}{parts} lr {step['lr']:.2e} {step['tokens_per_s']:.0f} tok/s"
+            + (" (checkpoint)" if checkpoint else ""),
+            flush=True,
+        )
+
+
+def _export_final(checkpoint: ray.train.Checkpoint, final: Path) -> None:
+    """Copy the last checkpoint, minus the trainer state, to `final/` atomically: a plain HF folder."""
+    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=final.parent))
+    checkpoint.to_directory(str(staging))
+    (staging / TRAINER_STATE).unlink()
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+
+
+def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, total_steps: int) -> Path:
+    """One stage on `config.num_workers` Ray Train workers; returns its `final/` folder."""
+    stage_dir = config.run_dir / stage
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault(*POLL_INTERVAL)
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={
+            "config": config,
+            "stage": stage,
+            "source": source,
+            "examples": examples_ref,
+            "total_steps": total_steps,
+        },
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=config.num_workers,
+            use_gpu=config.use_gpu,
+            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=stage,
+            storage_path=str(config.run_dir),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.keep_checkpoints),
+            failure_config=ray.train.FailureConfig(max_failures=config.max_failures),
+            callbacks=[ProgressLog(stage, total_steps, stage_dir / "metrics.jsonl")],
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),  # our line per step is enough
+        ),
+    )
+    result = trainer.fit()
+    final = stage_dir / "final"
+    _export_final(result.checkpoint, final)
+    return final
+
+
+def run_training(config: TrainConfig) -> dict[Stage, Path]:
+    """Run the configured stages in order, each starting from the previous one's result; their final folders.
+
+    Everything that can be wrong with the config or data fails here, before Ray starts a worker.
+    """
+    source = models.resolve(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    examples, reports = prepare_data(config, tokenizer)
+    _check_rerun(config)
+    (config.run_dir / "data_report.json").write_text(json.dumps([r.to_dict() for r in reports], indent=2))
+    for report in reports:
+        print(f"data {report.summary()}")
+    total_steps = config.total_steps(len(examples))
+    print(f"{len(examples)} examples, {total_steps} steps per stage of {config.global_batch} examples")
+
+    if not ray.is_initialized():
+        ray.init()
+    examples_ref = ray.put(examples)
+    finals: dict[Stage, Path] = {}
+    for stage in config.stages:
+        final = config.run_dir / stage / "final"
+        if (final / "config.json").exists():
+            print(f"[{stage}] already finished: {final}")
+        else:
+            final = fit_stage(config, stage, source, examples_ref, total_steps)
+            print(f"[{stage}] finished: {final}")
+        finals[stage] = final
+        source = str(final)
+    return finals

@@ -1,0 +1,138 @@
+"""Training benchmark: the MARS step against the AR SFT step on the same batch (the paper: about 2x), and
+Ray Train throughput with 1 and 2 workers. Prints markdown for BENCHMARKS.md.
+
+    .venv/bin/python scripts/bench_train.py --model tiny --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from mars_ray import data, models
+from mars_ray.train.config import TrainConfig
+from mars_ray.train.loop import Objective, accumulate_gradients
+from mars_ray.train.run import run_training
+
+
+def step_seconds(model, objective: Objective, batch, repeats: int) -> float:
+    """Median wall time of forward, backward and AdamW step on `batch` (after one warm-up step)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    times = []
+    for _ in range(repeats + 1):
+        began = time.perf_counter()
+        accumulate_gradients(model, objective, [batch], objective.normaliser(batch), 1, torch.device("cpu"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:])
+
+
+def bench_step(args: argparse.Namespace) -> list[str]:
+    torch.set_num_threads(args.threads)
+    model, tokenizer = models.load(args.model, dtype=torch.float32)
+    model.train()
+    rows = data.load_chats("tasks", tasks_count=args.batch_size // 2)
+    dialogs = data.load_chats("chatterbot").select(range(args.batch_size - len(rows)))
+    batch = data.tokenize_chats(rows, tokenizer, args.max_length, "tasks")[0]
+    batch += data.tokenize_chats(dialogs, tokenizer, args.max_length, "chatterbot")[0]
+    ids = (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    seconds = {
+        stage: step_seconds(model, Objective(stage, args.block_size, 1.0, *ids), batch, args.repeats)
+        for stage in ("ar-sft", "mars")
+    }
+    tokens = sum(len(e.input_ids) for e in batch)
+    return [
+        f"Step time, one process, {args.threads} threads, fp32, `{args.model}`, batch {len(batch)} chats "
+        f"(half tasks, half dialogs; {tokens} tokens, max_length {args.max_length}), B={args.block_size}, "
+        f"median of {args.repeats}:",
+        "",
+        "| stage | s/step | tokens/s | vs AR SFT |",
+        "|---|---|---|---|",
+        *(
+            f"| {stage} | {s:.3f} | {tokens / s:.0f} | {s / seconds['ar-sft']:.2f}x |"
+            for stage, s in seconds.items()
+        ),
+    ]
+
+
+def bench_workers(args: argparse.Namespace) -> list[str]:
+    """The same global batch and steps with 1 worker (1 or 2 threads) and 2 workers (1 thread each)."""
+    ray.init(address="local", num_cpus=2, dashboard_port=8274)  # not 8265: leave the default free
+    lines = [
+        f"Ray Train, `{args.model}`, stage mars, global batch {args.global_batch} chats, {args.steps} steps "
+        "after 3 warm-up steps (pace: median time between reports; compute: median step inside a worker; "
+        "tokens/s: chat tokens over the steps' wall time; fit: all of `TorchTrainer.fit()`):",
+        "",
+        "| workers x threads | pace s/step | compute s/step | tokens/s | fit s |",
+        "|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as output_dir:
+        for workers, threads in ((1, 1), (1, 2), (2, 1)):
+            config = TrainConfig(
+                model=args.model,
+                datasets=["tasks", "chatterbot"],
+                max_length=args.max_length,
+                name=f"bench-{workers}x{threads}",
+                output_dir=output_dir,
+                stages=["mars"],
+                steps=args.steps + 3,
+                batch_size=args.global_batch // workers,
+                num_workers=workers,
+                cpus_per_worker=threads,
+                checkpoint_every=args.steps + 3,
+                lr=1e-4,
+            )
+            began = time.perf_counter()
+            run_training(config)
+            fit = time.perf_counter() - began
+            log = (config.run_dir / "mars" / "metrics.jsonl").read_text().splitlines()
+            steps = [json.loads(line) for line in log][3:]
+            pace = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False))
+            compute = statistics.median(s["step_time_s"] for s in steps)
+            tokens = sum(s["tokens_per_s"] * s["step_time_s"] for s in steps[1:])
+            wall = steps[-1]["time"] - steps[0]["time"]
+            lines.append(
+                f"| {workers} x {threads} | {pace:.3f} | {compute:.3f} | {tokens / wall:.0f} | {fit:.0f} |"
+            )
+    ray.shutdown()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch-size", type=int, default=32, help="chats in the step-time batch")
+    parser.add_argument("--global-batch", type=int, default=32, help="chats per step in the Ray Train runs")
+    parser.add_argument("--max-length", type=int, default=48)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30, help="steps per Ray Train run")
+    parser.add_argument("--skip-workers", action="store_true", help="only the step-time comparison")
+    args = parser.parse_args()
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+        platform.machine(),
+    )
+    print(f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, ray {ray.__version__}, ")
+    print(f"{time.strftime('%Y-%m-%d')}; load average {os.getloadavg()[0]:.1f} at start\n")
+    print("\n".join(bench_step(args)) + "\n")
+    if not args.skip_workers:
+        print("\n".join(bench_workers(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The tau controller and the replica policy, driven tick by tick with engine snapshots."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.config import AutoscalingContext
+
+from mars_ray.serve.controller import TauController, TauObjective
+from mars_ray.serve.engine import EngineStats
+from mars_ray.serve.policy import tau_first_policy
+
+
+def snapshot(
+    tau: float, waiting: int, running: int, generated: int, ttft: float | None = None
+) -> EngineStats:
+    return EngineStats(
+        tau=tau,
+        block_size=4,
+        waiting=waiting,
+        running=running,
+        max_batch_size=16,
+        tokens_per_s=0.0,
+        forwards_per_s=0.0,
+        tokens_per_forward=1.0,
+        ttft_p50_s=ttft,
+        ttft_p95_s=ttft,
+        itl_p50_s=None,
+        itl_p95_s=None,
+        window_s=10.0,
+        generated_tokens=generated,
+        forward_passes=0,
+        finished={},
+    )
+
+
+class Replica:
+    """Feeds the controller the goodput a replica would have at each tau: `rate(tau)` tokens/s."""
+
+    def __init__(self, objective: TauObjective, rate) -> None:
+        self.controller = TauController(objective, now=0.0)
+        self.rate, self.now, self.generated = rate, 0.0, 0
+
+    def tick(self, waiting: int, running: int = 16) -> float:
+        tau = self.controller.tau
+        self.now += 1.0
+        self.generated += int(self.rate(tau)) if running else 0
+        return self.controller.update(snapshot(tau, waiting, running, self.generated), self.now)
+
+
+OBJECTIVE = TauObjective(tau_min=0.7, tau_max=1.0, tau_step=0.1, target=4, low_fraction=0.5, patience=2)
+
+
+def test_overload_lowers_tau_to_the_floor_and_idle_restores_it():
+    replica = Replica(OBJECTIVE, rate=lambda tau: 100 * (2.0 - tau))  # lower tau, more tokens/s
+    taus = [replica.tick(waiting=10) for _ in range(12)]
+    assert taus[0] == 1.0 and taus[1] == pytest.approx(0.9)  # patience: two ticks over before acting
+    assert min(taus) == pytest.approx(0.7) and taus[-1] == pytest.approx(0.7)  # never below tau_min
+    assert replica.controller.state.at_floor and replica.controller.state.over_objective
+    taus = [replica.tick(waiting=0, running=1) for _ in range(10)]
+    assert taus[-1] == 1.0 and replica.controller.state.at_ceiling and replica.controller.state.low_load
+
+
+def test_hysteresis_band_holds_still():
+    replica = Replica(OBJECTIVE, rate=lambda tau: 100 * (2.0 - tau))
+    for _ in range(4):
+        replica.tick(waiting=10)
+    held = replica.controller.tau
+    assert held < 1.0
+    # between low_fraction x target (2) and target (4): neither over nor low, nothing moves
+    assert {replica.tick(waiting=w) for w in [3, 4, 2, 3, 4, 3, 2, 4]} == {held}
+    # alternating over and low never builds the patience either way
+    assert {replica.tick(waiting=w) for w in [9, 0, 9, 0, 9, 0]} == {held}
+
+
+def pays_down_to_09(tau: float) -> float:
+    """Goodput that rises from tau 1.0 to 0.9, then falls: below 0.9 extra masks cost more than they bring."""
+    return {1.0: 100.0, 0.9: 120.0, 0.8: 110.0, 0.7: 100.0}[round(tau, 1)]
+
+
+def test_a_lower_tau_that_does_not_pay_is_refused():
+    replica = Replica(OBJECTIVE, rate=pays_down_to_09)
+    taus = [replica.tick(waiting=10) for _ in range(20)]
+    assert min(taus) == pytest.approx(0.8)  # it tried 0.8 once...
+    assert taus[-1] == pytest.approx(0.9)  # ...measured the loss, went back and stays
+    assert taus[-8:].count(0.8) == 0
+    assert replica.controller.state.at_floor  # nothing left to trade: the policy may add a replica
+
+
+def test_goodput_is_compared_per_batch_size():
+    """The same tau that does not pay at batch 16 is tried afresh at batch 2."""
+    replica = Replica(OBJECTIVE, rate=pays_down_to_09)
+    for _ in range(20):
+        replica.tick(waiting=10, running=16)
+    assert replica.controller.tau == pytest.approx(0.9)
+    taus = [replica.tick(waiting=10, running=2) for _ in range(4)]
+    assert min(taus) == pytest.approx(0.8)
+
+
+def test_live_reconfigure_clamps_and_validates():
+    replica = Replica(OBJECTIVE, rate=lambda tau: 100 * (2.0 - tau))
+    for _ in range(12):
+        replica.tick(waiting=10)
+    replica.controller.reconfigure(OBJECTIVE.model_copy(update={"tau_min": 0.85}))
+    assert replica.controller.tau == pytest.approx(0.85)
+    with pytest.raises(ValidationError, match="tau_min"):
+        TauObjective(tau_min=0.9, tau_max=0.8)
+    with pytest.raises(ValidationError, match="tau_step"):
+        TauObjective(tau_step=0)
+
+
+def test_latency_objective():
+    objective = OBJECTIVE.model_copy(update={"metric": "ttft_p95", "target": 0.5})
+    controller = TauController(objective, now=0.0)
+    for t in range(1, 4):
+        controller.update(
+            snapshot(controller.tau, waiting=0, running=4, generated=100 * t, ttft=2.0), float(t)
+        )
+    assert controller.tau < 1.0
+
+
+def context(
+    flags: dict[str, float | list[float]], replicas: int, max_replicas: int = 2
+) -> AutoscalingContext:
+    deployment = DeploymentID(name="engine", app_name="mars")
+    ids = [ReplicaID(unique_id=f"r{i}", deployment_id=deployment) for i in range(replicas)]
+    return AutoscalingContext(
+        deployment_id=deployment,
+        deployment_name="engine",
+        app_name="mars",
+        current_num_replicas=replicas,
+        target_num_replicas=replicas,
+        running_replicas=ids,
+        total_num_requests=0.0,
+        total_queued_requests=0.0,
+        aggregated_metrics={
+            name: {r: v[i] if isinstance(v, list) else v for i, r in enumerate(ids)}
+            for name, v in flags.items()
+        },
+        raw_metrics={},
+        capacity_adjusted_min_replicas=1,
+        capacity_adjusted_max_replicas=max_replicas,
+        policy_state={},
+        last_scale_up_time=None,
+        last_scale_down_time=None,
+        current_time=None,
+        config=None,
+    )
+
+
+def test_policy_adds_a_replica_only_when_tau_is_spent():
+    spent = {"at_floor": 1.0, "over_objective": 1.0, "at_ceiling": 0.0, "low_load": 0.0}
+    assert tau_first_policy(context(spent, 1))[0] == 2
+    still_trading = {**spent, "at_floor": 0.0}
+    assert tau_first_policy(context(still_trading, 1))[0] == 1
+    assert tau_first_policy(context(spent, 2))[0] == 2  # max_replicas
+
+
+def test_policy_removes_a_replica_only_when_quality_is_back_and_idle():
+    calm = {"at_floor": 0.0, "over_objective": 0.0, "at_ceiling": 1.0, "low_load": 1.0}
+    assert tau_first_policy(context(calm, 2))[0] == 1
+    one_still_trading = {**calm, "at_ceiling": [1.0, 0.0]}
+    assert tau_first_policy(context(one_still_trading, 2))[0] == 2
+    assert tau_first_policy(context(calm, 1))[0] == 1  # min_replicas

@@ -1,0 +1,308 @@
+"""The OpenAI app end to end: a real Ray cluster, Serve on 127.0.0.1, the official `openai` client.
+
+One app per session (two engine deployments of the `tiny` preset: `tiny`, and `tiny-small` with one row
+and a one-request queue, to show backpressure and freed slots) on a local Ray of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from mars_ray import models
+from mars_ray.data import chat_prompt_ids
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Count from 3 to 9."}]
+
+
+def free_port(start: int) -> int:
+    for port in range(start, start + 50):
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) != 0:
+                return port
+    raise RuntimeError("no free port")
+
+
+@pytest.fixture(scope="session")
+def server():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+    from ray import serve
+
+    from mars_ray.serve.app import build_app
+
+    port = free_port(8123)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    small = {"max_batch_size": 1, "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 1}
+    app = build_app(
+        {
+            "models": [
+                {"model": "tiny", "num_cpus": 0.5},
+                {"model": "tiny", "name": "tiny-small", "num_cpus": 0.25, **small},
+            ]
+        }
+    )
+    serve.run(app, name="mars", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return models.load("tiny")
+
+
+def greedy_text(tiny, prompt_ids, max_tokens):
+    model, tokenizer = tiny
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_tokens)
+    return tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+
+
+def engine_stats(name):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"engine-{name}", app_name="mars").stats.remote().result(timeout_s=60)
+
+
+def test_health_and_models(server, client):
+    health = httpx.get(f"{server}/health", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert sorted(m.id for m in client.models.list().data) == ["tiny", "tiny-small"]
+
+
+def test_tau_one_equals_transformers_greedy_streaming_or_not(server, client, tiny):
+    _, tokenizer = tiny
+    chat_ids = chat_prompt_ids(tokenizer, MESSAGES)
+    expected_chat = greedy_text(tiny, chat_ids, 20)
+
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat
+    assert chat.choices[0].finish_reason == "length"
+    usage = chat.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        len(chat_ids),
+        20,
+        len(chat_ids) + 20,
+    )
+    assert usage.forward_passes == 20  # tau = 1: one token per forward
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
+    pieces = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices) == expected_chat
+    assert [p.choices[0].finish_reason for p in pieces if p.choices][-1] == "length"
+    assert pieces[-1].usage.completion_tokens == 20 and pieces[-1].usage.forward_passes == 20
+
+    prompt = "Once upon a time"
+    expected_text = greedy_text(tiny, tokenizer(prompt)["input_ids"], 16)
+    completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=16)
+    assert completion.choices[0].text == expected_text and completion.usage.completion_tokens == 16
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, stream=True)
+    assert "".join(p.choices[0].text for p in streamed) == expected_text
+
+    # The wire format itself: server-sent events ending in `data: [DONE]`.
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_max_tokens_stop_strings_and_per_request_tau(client):
+    def chat(**fields):
+        extra = {k: fields.pop(k) for k in ("tau", "block_size") if k in fields}
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body=extra, **fields)
+
+    full = chat(max_tokens=30).choices[0].message.content
+    short = chat(max_tokens=5)
+    assert short.usage.completion_tokens == 5 and full.startswith(short.choices[0].message.content)
+
+    stop = full[5:10]  # mid-token to mid-token: a stop string that spans tokens
+    expected = full[: full.index(stop)]
+    stopped = chat(max_tokens=30, stop=[stop, "never appears"])
+    assert stopped.choices[0].message.content == expected and stopped.choices[0].finish_reason == "stop"
+    streamed = chat(max_tokens=30, stop=stop, stream=True)
+    pieces = list(streamed)
+    assert "".join(p.choices[0].delta.content or "" for p in pieces) == expected
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+    # The tiny random model is never as unsure as tau = 1e-4, so every slot of the window is accepted.
+    multi = chat(max_tokens=24, tau=1e-4, block_size=4).usage
+    assert (multi.completion_tokens, multi.forward_passes) == (24, 6)
+    default = chat(max_tokens=24, block_size=4).usage  # follows the replica's operating tau (1.0)
+    assert (default.completion_tokens, default.forward_passes) == (24, 24)
+
+
+def test_32_concurrent_streams_each_get_their_output_alone(server, client):
+    prompts = [f"Count from {i} to {i + 7}." for i in range(32)]
+    requests = [(p, 1.0) for p in prompts] + [(p, 1e-4) for p in prompts[:8]]  # masks in the same batch
+
+    def alone(prompt, tau):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=24,
+            extra_body={"tau": tau},
+        )
+        return reply.choices[0].message.content
+
+    expected = [alone(p, tau) for p, tau in requests]
+    concurrent = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def streamed(prompt, tau):
+        stream = await concurrent.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=24,
+            stream=True,
+            extra_body={"tau": tau},
+        )
+        text, reasons = "", []
+        async for piece in stream:
+            text += piece.choices[0].delta.content or ""
+            reasons.append(piece.choices[0].finish_reason)
+        return text, reasons[-1]
+
+    async def everyone():
+        return await asyncio.gather(*(streamed(p, tau) for p, tau in requests))
+
+    results = asyncio.run(everyone())
+    assert [text for text, _ in results] == expected
+    assert all(reason in ("stop", "length") for _, reason in results)
+    assert len(set(expected[:32])) > 1  # different prompts, different outputs: no mix-ups hidden
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_each_error_has_its_status_and_body(server, client):
+    url = f"{server}/v1/chat/completions"
+    broken = httpx.post(
+        url, content=b'{"model": "tiny", "messages": [', headers={"content-type": "application/json"}
+    )
+    assert broken.status_code == 400 and "invalid JSON" in error_of(broken)["message"]
+
+    base = {"model": "tiny", "messages": MESSAGES}
+    for field, value, param in [
+        ("messages", [], "messages"),
+        ("tau", 1.5, "tau"),
+        ("tau", 0, "tau"),
+        ("temperature", -1, "temperature"),
+        ("max_tokens", 0, "max_tokens"),
+        ("n", 2, "n"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"),
+        ("max_tokens", 2000, "max_tokens"),  # the prompt plus 2000 is beyond the 1024-token context
+        ("block_size", 99, "block_size"),
+    ]:
+        response = httpx.post(url, json={**base, field: value}, timeout=60)
+        assert response.status_code == 400, (field, value, response.text)
+        error = error_of(response)
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+    missing = httpx.post(url, json={"model": "tiny"}, timeout=60)
+    assert missing.status_code == 400 and error_of(missing)["param"] == "messages"
+    unknown = httpx.post(url, json={**base, "model": "gpt-9"}, timeout=60)
+    assert unknown.status_code == 404
+    assert error_of(unknown) | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+    # The official client sees the same: its typed errors carry the body.
+    with pytest.raises(openai.BadRequestError) as bad_tau:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={"tau": 2})
+    assert bad_tau.value.status_code == 400 and bad_tau.value.body["param"] == "tau"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="hi")
+
+
+def test_overload_gets_503_with_retry_after_and_a_disconnect_frees_the_slot(server):
+    """tiny-small has one row and a one-request queue: A runs, B waits, C is turned away at once."""
+    url = f"{server}/v1/chat/completions"
+    before = engine_stats("tiny-small")
+    long = {"model": "tiny-small", "messages": MESSAGES, "max_tokens": 1000, "stream": True}
+    short = {**long, "max_tokens": 5, "stream": False}
+    with httpx.Client(timeout=60) as a_client, a_client.stream("POST", url, json=long) as a:
+        a_lines = a.iter_lines()
+        assert a.status_code == 200 and next(a_lines).startswith("data: ")
+        b_status = []
+        b = threading.Thread(
+            target=lambda: b_status.append(httpx.post(url, json=short, timeout=120).status_code)
+        )
+        b.start()
+        time.sleep(1.0)  # B reaches the ingress's queue for tiny-small
+        started = time.monotonic()
+        c = httpx.post(url, json={**long, "stream": False}, timeout=60)
+        assert time.monotonic() - started < 5  # turned away, not left hanging
+        assert c.status_code == 503 and c.headers["retry-after"] == "1"
+        assert error_of(c)["code"] == "overloaded"
+        # A's client goes away mid-stream (leaving the `with` closes the connection).
+    b.join(timeout=120)
+    assert b_status == [200]  # B got A's row
+    after = engine_stats("tiny-small")
+    assert after.finished.get("cancelled", 0) == before.finished.get("cancelled", 0) + 1
+    assert after.generated_tokens - before.generated_tokens < 1000  # A never ran to its 1000 tokens
+    assert (after.running, after.waiting) == (0, 0)
+
+
+def test_mars_ray_serve_command(tmp_path):
+    port = free_port(8150)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    command = [sys.executable, "-m", "mars_ray.cli", "serve", "--model", "tiny", "--port", str(port)]
+    command += ["--ray-address", "local", "--num-cpus", "0.25"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if "serving 'tiny'" in log.read_text():
+                break
+            assert process.poll() is None, log.read_text()
+            time.sleep(1)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log.read_text()
+
+
+def test_loadtest_table_against_the_app(server, capsys):
+    from mars_ray.serve import loadtest
+
+    loadtest.main(
+        ["--model", "tiny", "--url", server, "--model-name", "tiny", "--requests", "4", "--max-tokens", "8"]
+    )
+    out = capsys.readouterr().out
+    assert "| AR baseline (KV cache, block_size=1) | 4 |" in out
+    assert "| MARS tau=0.9 (block_size=4) | 4 |" in out

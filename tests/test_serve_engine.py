@@ -1,0 +1,188 @@
+"""The serving engine without Ray: streamed text, stop strings, continuous batching, cancellation, tau."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from mars_ray import models
+from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.data import chat_prompt_ids
+from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.engine import Engine, RequestError, SamplingParams
+from mars_ray.serve.text import TextStream
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.load("tiny")
+
+
+def stream_in_chunks(tokenizer, ids, stop=(), seed=0):
+    """Push `ids` in random chunks of 1-4 tokens (as multi-token acceptance does); return the deltas."""
+    text, rng, deltas, i = TextStream(tokenizer, stop), random.Random(seed), [], 0
+    while i < len(ids) and not text.stopped:
+        n = rng.randint(1, 4)
+        deltas.append(text.push(ids[i : i + n]))
+        i += n
+    deltas.append(text.finish())
+    return deltas, text
+
+
+def test_text_stream_concatenates_to_the_decoded_output(tiny):
+    _, tokenizer = tiny
+    sample = "Héllo wörld, naïve café 你好 🙂 ok"
+    ids = tokenizer(sample)["input_ids"]
+    assert len(ids) > len(sample.split())  # multi-byte characters really are split across tokens
+    for seed in range(5):
+        deltas, _ = stream_in_chunks(tokenizer, ids, seed=seed)
+        assert "".join(deltas) == sample
+        assert all("\ufffd" not in d for d in deltas)  # no half characters on the way
+    garbage = torch.randint(3, 2048, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    deltas, _ = stream_in_chunks(tokenizer, garbage)
+    assert "".join(deltas) == tokenizer.decode(garbage, skip_special_tokens=True)
+
+
+def test_stop_strings_across_tokens_never_leak(tiny):
+    _, tokenizer = tiny
+    sample = "Count 1, 2, 3, 4, 5 and stop here."
+    ids = tokenizer(sample)["input_ids"]
+    for stop, expected in [(", 3", "Count 1, 2"), ("and st", "Count 1, 2, 3, 4, 5 "), ("nowhere", sample)]:
+        for seed in range(5):
+            deltas, text = stream_in_chunks(tokenizer, ids, stop=[stop, "zzz"], seed=seed)
+            assert "".join(deltas) == expected
+            assert text.stopped == (expected != sample)
+    # A tail that could start a stop string is held back, and released when the output ends.
+    text = TextStream(tokenizer, ["5 and go"])
+    assert text.push(ids) == "Count 1, 2, 3, 4, 5 and stop here."
+    text = TextStream(tokenizer, ["here.!"])
+    assert text.push(ids) == "Count 1, 2, 3, 4, 5 and stop "
+    assert text.finish() == "here."
+
+
+def make_engine(tiny, **overrides) -> Engine:
+    model, tokenizer = tiny
+    return Engine(model, tokenizer, ModelConfig(model="tiny", **overrides))
+
+
+async def collect(engine, prompt, params):
+    chunks = [c async for c in engine.generate(prompt, params)]
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+def prompts_of(tokenizer, count):
+    return [
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": f"Count from {i} to {i + 2 * i}."}])
+        for i in range(count)
+    ]
+
+
+def test_batched_requests_equal_each_alone_and_greedy_generate(tiny):
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 6)
+    params = [
+        SamplingParams(max_tokens=12 + i, tau=1.0 if i % 2 else 1e-4, block_size=2 + i % 3) for i in range(6)
+    ]
+
+    async def run():
+        engine = make_engine(tiny, max_batch_size=4)  # six requests: two wait for a row, then join mid-flight
+        return await asyncio.gather(*(collect(engine, p, q) for p, q in zip(prompts, params, strict=True)))
+
+    served = asyncio.run(run())
+    for prompt, param, (text, last) in zip(prompts, params, served, strict=True):
+        config = DecodeConfig(
+            tau=param.tau,
+            block_size=param.block_size,
+            max_new_tokens=param.max_tokens,
+            stop_token_ids=models.stop_token_ids(model, tokenizer),
+        )
+        alone = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
+        assert text == tokenizer.decode(alone.tokens, skip_special_tokens=True)
+        assert (last.completion_tokens, last.forward_passes) == (len(alone.tokens), alone.forward_passes)
+        assert last.prompt_tokens == len(prompt) and last.finish_reason == alone.finish_reason
+        if param.tau == 1.0:
+            greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=param.max_tokens)
+            assert text == tokenizer.decode(greedy[0, len(prompt) :], skip_special_tokens=True)
+            assert last.forward_passes == last.completion_tokens
+        else:
+            assert last.forward_passes < last.completion_tokens  # several tokens per forward
+
+
+def test_cancelling_frees_the_row_and_the_queue(tiny):
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run():
+        engine = make_engine(tiny, max_batch_size=1)
+        running = engine.generate(prompt, SamplingParams(max_tokens=500))
+        waiting = engine.generate(prompt, SamplingParams(max_tokens=500))
+        assert (await anext(running)).text == "" and (await anext(waiting)).text == ""
+        await anext(running)  # it has a row now; the other one waits for it
+        assert (engine.stats().running, engine.stats().waiting) == (1, 1)
+        await waiting.aclose()
+        await running.aclose()
+        text, last = await collect(engine, prompt, SamplingParams(max_tokens=3))
+        return engine.stats(), last
+
+    stats, last = asyncio.run(run())
+    assert last.completion_tokens == 3 and last.finish_reason == "length"
+    assert stats.finished == {"cancelled": 2, "length": 1}
+    assert (stats.running, stats.waiting) == (0, 0)
+    assert stats.generated_tokens < 500
+
+
+def test_requests_follow_the_operating_tau_unless_pinned(tiny):
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run():
+        engine = make_engine(tiny, tau=1.0, block_size=4)
+        follows = engine.generate(prompt, SamplingParams(max_tokens=40))
+        pinned = engine.generate(prompt, SamplingParams(max_tokens=40, tau=1.0))
+        for stream in (follows, pinned, follows):
+            await anext(stream)
+        engine.tau = 1e-4  # the tiny random model is never this unsure: every slot is accepted
+        rest = [c async for c in follows][-1], [c async for c in pinned][-1]
+        return engine.stats(), rest
+
+    stats, (follows, pinned) = asyncio.run(run())
+    assert stats.tau == 1e-4
+    assert pinned.forward_passes == pinned.completion_tokens == 40
+    assert follows.completion_tokens == 40 and follows.forward_passes < 20
+
+
+def test_stats_snapshot_and_request_errors(tiny):
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run():
+        engine = make_engine(tiny, max_block_size=8)
+        await engine.warm_up()
+        await asyncio.gather(*(collect(engine, prompt, SamplingParams(max_tokens=8)) for _ in range(3)))
+        errors = {}
+        for name, ids, params in [
+            ("too long", prompt, SamplingParams(max_tokens=engine.max_context)),
+            ("empty", [], SamplingParams()),
+            ("vocab", [engine.vocab_size], SamplingParams()),
+            ("window", prompt, SamplingParams(block_size=9)),
+            ("top_p", prompt, SamplingParams(top_p=2.0)),
+        ]:
+            with pytest.raises(RequestError) as caught:
+                await anext(engine.generate(ids, params, prompt_field="messages"))
+            errors[name] = caught.value.param
+        return engine.stats(), errors
+
+    stats, errors = asyncio.run(run())
+    assert errors == {
+        "too long": "max_tokens",
+        "empty": "messages",
+        "vocab": "messages",
+        "window": "block_size",
+        "top_p": "top_p",
+    }
+    assert stats.finished == {"length": 4} and stats.generated_tokens == 4 + 3 * 8
+    assert stats.tokens_per_s > 0 and stats.forwards_per_s > 0 and stats.tokens_per_forward >= 1
+    assert 0 < stats.ttft_p50_s <= stats.ttft_p95_s and 0 < stats.itl_p50_s <= stats.itl_p95_s

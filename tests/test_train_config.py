@@ -1,0 +1,81 @@
+"""Bad training configs fail before any Ray worker starts (Ray is not even initialised), naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+from pydantic import ValidationError
+
+from mars_ray.train.config import TrainConfig, load_config
+from mars_ray.train.run import run_training
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\nsteps: 10\nlr: 1e-3\ndatasets: [tasks]\n")
+    config = load_config(path, ["steps=20", "datasets=tasks,chatterbot", "stages=[mars]"])
+    assert (config.steps, config.lr, config.datasets, config.stages) == (
+        20,
+        1e-3,
+        ["tasks", "chatterbot"],
+        ["mars"],
+    )
+    assert config.global_batch == config.batch_size * config.grad_accum * config.num_workers
+    assert TrainConfig(model="tiny", steps=None, epochs=2, batch_size=4, num_workers=2).total_steps(100) == 25
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({}, "model"),  # required
+        ({"model": "/no/such/model"}, "model"),
+        ({"model": "tiny", "block_size": 1}, "block_size"),
+        ({"model": "tiny", "stages": ["pretrain"]}, "stages"),
+        ({"model": "tiny", "lr": -1}, "lr"),
+        ({"model": "tiny", "bacth_size": 8}, "bacth_size"),
+        ({"model": "tiny", "datasets": []}, "datasets"),
+    ],
+)
+def test_bad_values_name_the_field(values, field):
+    with pytest.raises(ValidationError) as error:
+        TrainConfig(**values)
+    assert error.value.errors()[0]["loc"][0] == field
+    assert field in str(error.value)
+
+
+def test_overrides_must_be_key_value():
+    with pytest.raises(ValueError, match="not key=value"):
+        load_config(None, ["model=tiny", "steps"])
+
+
+@pytest.fixture
+def no_worker_starts(tmp_path):
+    """Neither Ray (unless another test started it) nor a stage's Ray Train run folder comes to life."""
+    was_running = ray.is_initialized()
+    yield
+    assert ray.is_initialized() == was_running
+    assert not list(tmp_path.glob("*/ar-sft")) and not list(tmp_path.glob("*/mars"))
+
+
+def test_bad_data_fails_before_any_worker_starts(tmp_path, no_worker_starts):
+    no_messages = tmp_path / "text.jsonl"
+    no_messages.write_text(json.dumps({"text": "hello"}) + "\n")
+    bad_data = TrainConfig(model="tiny", datasets=["tasks", str(no_messages)], output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"datasets\[1\]: .* no 'messages' column"):
+        run_training(bad_data)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match="datasets: no usable rows"):
+        run_training(TrainConfig(model="tiny", datasets=[str(empty)], output_dir=str(tmp_path)))
+
+
+def test_a_rerun_must_keep_the_config(tmp_path, no_worker_starts):
+    config = dict(model="tiny", datasets=["tasks"], tasks_count=20, output_dir=str(tmp_path), name="r")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.yaml").write_text(
+        json.dumps(TrainConfig(**config, lr=1e-3).model_dump())  # JSON is YAML
+    )
+    with pytest.raises(ValueError, match="other values for lr"):
+        run_training(TrainConfig(**config, lr=2e-3))

@@ -1,0 +1,242 @@
+"""Training on a real local Ray cluster: both stages on 2 workers, plain-transformers reload, tau=1 equals
+greedy `generate`, DDP equals the joined batch, and resuming after workers die (slow: Ray Train fits)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import ray.train
+import ray.train.torch
+import torch
+from ray.util.state import list_actors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mars_ray import data, models
+from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.objective import ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.train.config import TrainConfig
+from mars_ray.train.loop import Objective, accumulate_gradients, sum_over_workers, worker_micro_batches
+from mars_ray.train.run import run_training
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).parent
+DASHBOARD_PORT = 8273
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One in-process cluster for the module (a fit costs ~35 s of start-up: share it).
+
+    `address="local"` never joins someone else's cluster; the dashboard (own port) serves the state API
+    used to find workers to kill; workers import this module for the DDP test's train function.
+    """
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=True,
+        dashboard_port=DASHBOARD_PORT,
+        runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}},
+    )
+    yield
+    ray.shutdown()
+
+
+def small_config(tmp_path: Path, name: str, **overrides) -> TrainConfig:
+    values = dict(
+        model="tiny",
+        datasets=["tasks", "chatterbot"],
+        tasks_count=300,
+        max_length=64,
+        name=name,
+        output_dir=str(tmp_path),
+        steps=6,
+        batch_size=4,
+        lr=1e-3,
+        checkpoint_every=3,
+        num_workers=2,
+    )
+    return TrainConfig(**{**values, **overrides})
+
+
+def logged_steps(config: TrainConfig, stage: str) -> list[dict]:
+    path = config.run_dir / stage / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def two_stage_run(local_ray, tmp_path_factory):
+    config = small_config(tmp_path_factory.mktemp("runs"), "e2e")
+    return config, run_training(config)
+
+
+def test_both_stages_run_on_two_workers(two_stage_run):
+    config, finals = two_stage_run
+    assert list(finals) == ["ar-sft", "mars"]
+    for stage in finals:
+        steps = logged_steps(config, stage)
+        assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert [s["step"] for s in steps if s["checkpoint"]] == [3, 6]
+        assert all(s["tokens_per_s"] > 0 and s["lr"] > 0 and s["loss"] > 0 for s in steps)
+    mars = logged_steps(config, "mars")[0]
+    assert mars["loss"] == pytest.approx(mars["noisy_loss"] + config.ar_weight * mars["clean_loss"])
+    report = json.loads((config.run_dir / "data_report.json").read_text())
+    assert [r["source"] for r in report] == ["tasks", "chatterbot"]
+    assert report[1]["skipped"]["prompt fills max_length"] > 0  # some dialogs are long
+
+
+def test_final_folder_loads_in_plain_transformers_and_tau_1_is_greedy(two_stage_run):
+    _, finals = two_stage_run
+    folder = finals["mars"]
+    assert (folder / "model.safetensors").exists() and not (folder / "trainer_state.pt").exists()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()  # no project code
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.mask_token == "<|mask|>"
+    assert (
+        tokenizer.mask_token_id == model.config.mask_token_id < model.get_input_embeddings().weight.shape[0]
+    )
+
+    prompts = [
+        data.chat_prompt_ids(tokenizer, r["messages"][:-1]) for r in data.verifiable_tasks("heldout", 6)
+    ]
+    config = DecodeConfig(tau=1.0, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,))
+    mars = decode_cached(model, prompts, tokenizer.mask_token_id, config, tokenizer.pad_token_id)
+    for prompt, result in zip(prompts, mars, strict=True):
+        with torch.no_grad():
+            greedy = model.generate(
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=16,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :].tolist()
+        assert result.tokens == greedy
+
+
+def test_rerunning_a_finished_run_skips_its_stages(two_stage_run):
+    config, finals = two_stage_run
+    began = time.perf_counter()
+    assert run_training(config) == finals
+    assert time.perf_counter() - began < 30  # no Ray Train fit
+    assert len(logged_steps(config, "mars")) == 6
+
+
+def attempts(steps: list[dict]) -> list[list[dict]]:
+    """The log cut where a new worker group took over (it names the checkpoint it resumed from)."""
+    cuts = [i for i in range(1, len(steps)) if steps[i]["resumed_from"] != steps[i - 1]["resumed_from"]]
+    return [steps[a:b] for a, b in zip([0, *cuts], [*cuts, len(steps)], strict=True)]
+
+
+def kill_a_worker_after_each_new_checkpoint(config: TrainConfig, stage: str, kills: int) -> threading.Thread:
+    """SIGKILL one Ray Train worker once the current worker group has logged a checkpoint, `kills` times."""
+
+    def current_group_checkpointed(kill: int) -> bool:
+        groups = attempts(logged_steps(config, stage))
+        return len(groups) == kill + 1 and any(s["checkpoint"] for s in groups[-1])
+
+    def run() -> None:
+        for kill in range(kills):
+            while not current_group_checkpointed(kill):
+                time.sleep(0.05)
+            workers = list_actors(
+                address=f"http://127.0.0.1:{DASHBOARD_PORT}",
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+            )
+            os.kill(workers[0].pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_resume_after_worker_deaths_and_a_rerun(local_ray, tmp_path):
+    """The first death is absorbed by `FailureConfig` (max_failures=1); the second fails the run; rerunning
+    the same name resumes. Each time training restarts from the latest checkpoint, nothing earlier."""
+    config = small_config(
+        tmp_path,
+        "resume",
+        datasets=["tasks"],
+        stages=["ar-sft"],
+        steps=60,
+        checkpoint_every=5,
+        max_failures=1,
+    )
+    killer = kill_a_worker_after_each_new_checkpoint(config, "ar-sft", kills=2)
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_training(config)
+    killer.join(timeout=5)
+    assert not killer.is_alive()
+
+    finals = run_training(config)
+
+    groups = attempts(logged_steps(config, "ar-sft"))
+    assert len(groups) == 3
+    for i, group in enumerate(groups[1:], start=1):
+        last_checkpoint = max(s["step"] for earlier in groups[:i] for s in earlier if s["checkpoint"])
+        assert group[0]["resumed_from"] == last_checkpoint
+        assert group[0]["step"] == last_checkpoint + 1
+    assert groups[-1][-1]["step"] == 60 and groups[-1][-1]["checkpoint"]
+    assert (finals["ar-sft"] / "model.safetensors").exists()
+
+
+def one_ddp_step(loop_config: dict) -> None:
+    """On each worker: its share of one global batch (2 micro-steps), forward and backward under DDP."""
+    rank, world_size = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
+    batch = loop_config["batch"]
+    for stage in ("ar-sft", "mars"):
+        model, tokenizer = models.load("tiny", dtype=torch.float32)
+        ddp = ray.train.torch.prepare_model(model)
+        objective = Objective(
+            stage, 4, 1.0, tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id
+        )
+        shares = worker_micro_batches(range(len(batch)), rank, world_size, grad_accum=2)
+        micro_batches = [[batch[i] for i in share] for share in shares]
+        losses = accumulate_gradients(
+            ddp, objective, micro_batches, objective.normaliser(batch), world_size, torch.device("cpu")
+        )
+        losses = sum_over_workers(losses, torch.device("cpu"))
+        if rank == 0:
+            grads = {name: p.grad for name, p in model.named_parameters()}
+            torch.save({"losses": losses, "grads": grads}, Path(loop_config["out"]) / f"{stage}.pt")
+
+
+def test_ddp_step_equals_one_process_on_the_joined_batch(local_ray, tmp_path):
+    model, tokenizer = models.load("tiny", dtype=torch.float32)
+    rows = data.load_chats("tasks", tasks_count=8)
+    batch, _ = data.tokenize_chats(rows, tokenizer, 64, "tasks")  # unequal lengths and token counts
+    trainer = ray.train.torch.TorchTrainer(
+        one_ddp_step,
+        train_loop_config={"batch": batch, "out": str(tmp_path)},
+        scaling_config=ray.train.ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(name="ddp", storage_path=str(tmp_path)),
+    )
+    trainer.fit()
+
+    for stage in ("ar-sft", "mars"):
+        model.zero_grad()
+        if stage == "ar-sft":
+            joined = collate_ar(batch, tokenizer.pad_token_id)
+            logits = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask).logits
+            loss = ar_loss(logits, joined.labels)
+        else:
+            joined = collate_mars(
+                batch, 4, tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id
+            )
+            logits = model(
+                input_ids=joined.input_ids,
+                position_ids=joined.position_ids,
+                attention_mask=joined.attention_mask,
+            ).logits
+            loss = mars_loss(logits, joined.labels).total
+        loss.backward()
+        ddp = torch.load(tmp_path / f"{stage}.pt")
+        assert ddp["losses"]["total"] == pytest.approx(loss.item(), rel=1e-5)
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(ddp["grads"][name], parameter.grad, rtol=1e-4, atol=1e-6)
