@@ -13,6 +13,7 @@ counts, as it costs compute). Tokens are counted up to and including the stop to
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import threading
@@ -27,8 +28,10 @@ import torch
 from mars_ray import models
 from mars_ray.core.decoding import DecodeConfig, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
+from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.engine import Engine, SamplingParams
 
-METHODS = ("ar", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused")
+METHODS = ("ar", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused", "engine")
 
 
 @dataclass(frozen=True)
@@ -227,10 +230,37 @@ def run_bench(config: BenchConfig) -> BenchReport:
 
         return run
 
+    def engine_batcher(batch_size: int) -> Callable[[list[list[int]]], list[int]]:
+        """The serving engine in this process: the prompts arrive at once, at most `batch_size` run
+        together, and a waiting one takes a finished one's row at the next forward."""
+        serving = ModelConfig(
+            model=config.model,
+            tau=config.tau,
+            block_size=config.block_size,
+            max_batch_size=batch_size,
+            max_ongoing_requests=max(batch_size, 64),
+        )
+        params = SamplingParams(max_tokens=config.max_new_tokens)
+
+        async def one(engine: Engine, prompt: list[int]) -> int:
+            async for chunk in engine.generate(prompt, params):
+                if chunk.finish_reason:
+                    return chunk.completion_tokens
+            raise RuntimeError("the engine ended a request without a finish reason")
+
+        async def run(prompts: list[list[int]]) -> list[int]:
+            engine = Engine(model, tokenizer, serving)
+            try:
+                return list(await asyncio.gather(*(one(engine, p) for p in prompts)))
+            finally:
+                await engine.close()
+
+        return lambda prompts: asyncio.run(run(prompts))
+
     report = BenchReport(config, _machine(device))
     for batch_size in config.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-        runs: list[tuple[str, int | None, Callable, str]] = []
+        runs: list[tuple[str, int | None, Callable, str]] = []  # each called on every batch in turn
         if "ar" in config.methods:
             runs.append(("ar", None, hf_generate, "HF generate, greedy, KV cache"))
         if "prompt-lookup" in config.methods:
@@ -243,6 +273,9 @@ def run_bench(config: BenchConfig) -> BenchReport:
         for fuse, name in ((False, "mars-block"), (True, "mars-block-fused")):
             if name in config.methods:
                 runs += [(name, cb, mars_block(cb, fuse), "") for cb in config.cache_blocks]
+        if "engine" in config.methods:
+            note = f"continuous batching: all prompts at once, {batch_size} at a time"
+            runs.append(("engine", None, engine_batcher(batch_size), note))
         baseline = None
         for method, cache_block, fn, note in runs:
             fn(batches[0])  # warm-up, not timed
@@ -250,7 +283,8 @@ def run_bench(config: BenchConfig) -> BenchReport:
             with PeakMemory(device) as memory:
                 _sync(device)
                 start = time.perf_counter()
-                tokens = sum(sum(fn(b)) for b in batches)
+                inputs = [prompts] if method == "engine" else batches
+                tokens = sum(sum(fn(b)) for b in inputs)
                 _sync(device)
                 seconds = time.perf_counter() - start
             counter.close()

@@ -54,6 +54,10 @@ def test_bench_decode_measures_every_method(tmp_path):
     # at tau = 0.9 an untrained model accepts about one token per forward; the cached decoder never fewer
     cached = next(m for m in report.measurements if (m.method, m.batch) == ("mars-cached", 1))
     assert cached.tokens_per_forward >= 1.0
+    # the serving engine runs the same decoder: the same tokens, however its rows come and go
+    for batch in (1, 2):
+        by_method = {m.method: m.tokens for m in report.measurements if m.batch == batch}
+        assert by_method["engine"] == by_method["mars-cached"]
     assert json.loads((tmp_path / "b.json").read_text())["measurements"]
 
 

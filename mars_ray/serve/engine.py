@@ -11,6 +11,7 @@ No Ray here: the Serve deployment (`app.py`) wraps it and exports `EngineMetrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -266,6 +267,14 @@ class Engine:
         prompt = self.tokenizer("Hello")["input_ids"] or [self.tokenizer.eos_token_id]
         async for _ in self.generate(prompt, SamplingParams(max_tokens=4, tau=0.5, block_size=2)):
             pass
+
+    async def close(self) -> None:
+        """Stop the decode loop and its thread (the engine is done; running requests are dropped)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._executor.shutdown(wait=True)
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
