@@ -45,7 +45,13 @@ def server():
     from mars_ray.serve.app import build_app
 
     port = free_port(8123)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=free_port(9471),  # the node's Prometheus endpoint (test_metrics_...)
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"max_batch_size": 1, "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 1}
     app = build_app(
@@ -306,3 +312,29 @@ def test_loadtest_table_against_the_app(server, capsys):
     out = capsys.readouterr().out
     assert "| AR baseline (KV cache, block_size=1) | 4 |" in out
     assert "| MARS tau=0.9 (block_size=4) | 4 |" in out
+
+
+def test_metrics_are_exported_per_model(server, client):
+    """Every engine metric reaches Ray's Prometheus endpoint, labelled with the model it belongs to."""
+    import ray
+
+    client.completions.create(model="tiny", prompt="Count from 3 to 9.", max_tokens=8)
+    port = ray.nodes()[0]["MetricsExportPort"]
+    names = [
+        "ray_mars_requests_total",
+        "ray_mars_generated_tokens_total",
+        "ray_mars_forward_passes_total",
+        "ray_mars_tokens_per_forward_bucket",
+        "ray_mars_tau",
+        "ray_mars_queue_depth",
+        "ray_mars_batch_size",
+        "ray_mars_time_to_first_token_seconds_bucket",
+        "ray_mars_inter_token_latency_seconds_bucket",
+    ]
+    deadline, missing = time.monotonic() + 150, names
+    while missing and time.monotonic() < deadline:  # replicas report every few seconds
+        time.sleep(2)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        labelled = [line for line in text.splitlines() if 'model="tiny"' in line]
+        missing = [name for name in names if not any(line.startswith(name + "{") for line in labelled)]
+    assert not missing, f"not exported for model tiny: {missing}"
