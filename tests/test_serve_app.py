@@ -36,7 +36,7 @@ def free_port(start: int) -> int:
     raise RuntimeError("no free port")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
@@ -68,7 +68,7 @@ def server():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
 

@@ -194,6 +194,7 @@ class EngineDeployment:
             await asyncio.sleep(interval)
             try:
                 stats = self.engine.stats()
+                self.engine.refresh_gauges()
                 if self.controller:
                     self.engine.tau = self.controller.update(stats, time.monotonic())
                 await self.board.post.remote(self.replica, self.status(stats))

@@ -268,6 +268,11 @@ class Engine:
         async for _ in self.generate(prompt, SamplingParams(max_tokens=4, tau=0.5, block_size=2)):
             pass
 
+    def refresh_gauges(self) -> None:
+        """Set the gauges again: an idle engine sets none, and Ray drops a gauge series not refreshed."""
+        self.metrics.tau(self._tau)
+        self.metrics.load(len(self._waiting), len(self._running))
+
     async def close(self) -> None:
         """Stop the decode loop and its thread (the engine is done; running requests are dropped)."""
         if self._loop_task is not None:
