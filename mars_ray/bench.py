@@ -179,6 +179,26 @@ def _until_stop(row: list[int], stops: Sequence[int], pad_id: int) -> list[int]:
     return [t for t in row if t != pad_id] if pad_id in stops else row
 
 
+def hf_greedy_lengths(
+    model, prompts: list[list[int]], max_new_tokens: int, stops: Sequence[int], pad_id: int, **extra
+) -> list[int]:
+    """transformers `generate`, greedy with its KV cache, over the prompts left-padded into one batch: the
+    AR baseline. Returns each row's generated length up to and including its first stop token."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=model.device)
+    attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=attention,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(stops),
+        pad_token_id=pad_id,
+        **extra,
+    )
+    return [len(_until_stop(row, stops, pad_id)) for row in out[:, longest:].tolist()]
+
+
 def bench_prompts(tokenizer, count: int) -> list[list[int]]:
     """Held-out prompts through the chat template: half verifiable tasks, half real dialogs."""
     tasks = verifiable_tasks("heldout", count=count - count // 2)
@@ -201,19 +221,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
     device = model.device
 
     def hf_generate(batch: list[list[int]], **extra) -> list[int]:
-        longest = max(map(len, batch))
-        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in batch], device=device)
-        attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch], device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attention,
-            do_sample=False,
-            max_new_tokens=config.max_new_tokens,
-            eos_token_id=list(stops),
-            pad_token_id=pad_id,
-            **extra,
-        )
-        return [len(_until_stop(row, stops, pad_id)) for row in out[:, longest:].tolist()]
+        return hf_greedy_lengths(model, batch, config.max_new_tokens, stops, pad_id, **extra)
 
     def prompt_lookup(batch: list[list[int]]) -> list[int]:
         return [n for p in batch for n in hf_generate([p], prompt_lookup_num_tokens=config.block_size * 2)]

@@ -139,29 +139,15 @@ def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict
     import torch
 
     from mars_ray import models
+    from mars_ray.bench import hf_greedy_lengths
 
     torch.set_num_threads(args.torch_threads)
     model, tokenizer = models.load(args.model)
-    eos = models.stop_token_ids(model, tokenizer)
+    stops = models.stop_token_ids(model, tokenizer)
     tokens, started = 0, time.perf_counter()
     for i in range(0, len(chats), args.concurrency):
         prompts = [data.chat_prompt_ids(tokenizer, m) for m in chats[i : i + args.concurrency]]
-        longest = max(map(len, prompts))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (longest - len(p)) + p for p in prompts])
-        attention = (
-            torch.arange(longest)[None] >= torch.tensor([longest - len(p) for p in prompts])[:, None]
-        ).long()
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attention,
-            do_sample=False,
-            max_new_tokens=args.max_tokens,
-            eos_token_id=list(eos),
-            pad_token_id=tokenizer.pad_token_id,
-        )[:, longest:].tolist()
-        for row in out:
-            ends = [j for j, t in enumerate(row) if t in eos]
-            tokens += ends[0] + 1 if ends else len(row)
+        tokens += sum(hf_greedy_lengths(model, prompts, args.max_tokens, stops, tokenizer.pad_token_id))
     wall = time.perf_counter() - started
     nan = float("nan")
     return {
