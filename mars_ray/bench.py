@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import platform
-import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 
 from mars_ray import models
@@ -46,6 +47,7 @@ class BenchConfig:
     methods: tuple[str, ...] = METHODS
     device: str = "cpu"
     dtype: str = "auto"
+    repeats: int = 3  # rounds of every method in turn; each row reports its median time
     output: Path | None = None
 
     def __post_init__(self) -> None:
@@ -54,7 +56,7 @@ class BenchConfig:
             raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
         if not 0 < self.tau <= 1:
             raise ValueError(f"tau must lie in (0, 1], got {self.tau}")
-        for name in ("prompts", "max_new_tokens", "block_size"):
+        for name in ("prompts", "max_new_tokens", "block_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.batch_sizes or min(self.batch_sizes) < 1 or min(self.cache_blocks, default=2) < 1:
@@ -99,9 +101,10 @@ class BenchReport:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for m in self.measurements:
+            ratio = f"{m.ratio:.2f}" if math.isfinite(m.ratio) else ""  # blank: no AR row to compare with
             lines.append(
                 f"| {m.method} | {m.batch} | {m.cache_block or ''} | {m.tokens_per_second:.1f} "
-                f"| {m.ratio:.2f} | {m.tokens_per_forward:.2f} | {m.forwards} "
+                f"| {ratio} | {m.tokens_per_forward:.2f} | {m.forwards} "
                 f"| {m.peak_memory_mb:.0f} | {m.note} |"
             )
         return "\n".join(lines)
@@ -136,12 +139,16 @@ class ForwardCounter:
 
 
 class PeakMemory:
-    """Peak memory above the start: CUDA allocator statistics, or sampled process RSS on CPU."""
+    """Peak memory above the start: CUDA allocator statistics, or the kernel's peak RSS on CPU.
+
+    On CPU the peak is Linux's resettable high-water mark (VmHWM, reset through /proc/self/clear_refs), read
+    once at the end: a sampling thread would fight the decode loop for the GIL and slow what it measures
+    (the serving engine, whose forward runs in a worker thread, ran at a third of its speed beside one).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak = 0
-        self._stop = threading.Event()
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -149,27 +156,30 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
         else:
-            process = psutil.Process()
-            self._base = process.memory_info().rss
-            self._thread = threading.Thread(target=self._sample, args=(process,), daemon=True)
-            self._thread.start()
+            self._base = _proc_status_bytes("VmRSS")
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
         return self
-
-    def _sample(self, process: psutil.Process) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, process.memory_info().rss - self._base)
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self._base
         else:
-            self._stop.set()
-            self._thread.join()
+            self.peak = _proc_status_bytes("VmHWM") - self._base
 
     @property
     def megabytes(self) -> float:
         return max(self.peak, 0) / 2**20
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status in bytes (0 where there is no procfs)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _until_stop(row: list[int], stops: Sequence[int], pad_id: int) -> list[int]:
@@ -219,6 +229,14 @@ def run_bench(config: BenchConfig) -> BenchReport:
     )
     prompts = bench_prompts(tokenizer, config.prompts)
     device = model.device
+    # Every forward of the run on one thread, the engine's included: torch gives each thread that computes
+    # its own OpenMP team, and a second team on the same cores slows whichever method runs after it.
+    torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-torch")
+
+    def on_torch_thread(method: str, fn: Callable, batch: list[list[int]]) -> list[int]:
+        if method == "engine":  # its event loop here, its forwards on `torch_thread`
+            return fn(batch)
+        return torch_thread.submit(fn, batch).result()
 
     def hf_generate(batch: list[list[int]], **extra) -> list[int]:
         return hf_greedy_lengths(model, batch, config.max_new_tokens, stops, pad_id, **extra)
@@ -257,7 +275,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
             raise RuntimeError("the engine ended a request without a finish reason")
 
         async def run(prompts: list[list[int]]) -> list[int]:
-            engine = Engine(model, tokenizer, serving)
+            engine = Engine(model, tokenizer, serving, executor=torch_thread)
             try:
                 return list(await asyncio.gather(*(one(engine, p) for p in prompts)))
             finally:
@@ -284,28 +302,27 @@ def run_bench(config: BenchConfig) -> BenchReport:
         if "engine" in config.methods:
             note = f"continuous batching: all prompts at once, {batch_size} at a time"
             runs.append(("engine", None, engine_batcher(batch_size), note))
+        for method, _, fn, _ in runs:
+            on_torch_thread(method, fn, batches[0])  # warm-up, not timed
+        samples: list[list[tuple[float, int, ForwardCounter, float]]] = [[] for _ in runs]
+        for _ in range(config.repeats):  # rounds: drifting machine load hits every method alike
+            for (method, _, fn, _), taken in zip(runs, samples, strict=True):
+                counter = ForwardCounter(model)
+                with PeakMemory(device) as memory:
+                    _sync(device)
+                    start = time.perf_counter()
+                    inputs = [prompts] if method == "engine" else batches
+                    tokens = sum(sum(on_torch_thread(method, fn, b)) for b in inputs)
+                    _sync(device)
+                    seconds = time.perf_counter() - start
+                counter.close()
+                taken.append((seconds, tokens, counter, memory.megabytes))
         baseline = None
-        for method, cache_block, fn, note in runs:
-            fn(batches[0])  # warm-up, not timed
-            counter = ForwardCounter(model)
-            with PeakMemory(device) as memory:
-                _sync(device)
-                start = time.perf_counter()
-                inputs = [prompts] if method == "engine" else batches
-                tokens = sum(sum(fn(b)) for b in inputs)
-                _sync(device)
-                seconds = time.perf_counter() - start
-            counter.close()
+        for (method, cache_block, _, note), taken in zip(runs, samples, strict=True):
+            seconds, tokens, counter, _ = sorted(taken, key=lambda sample: sample[0])[len(taken) // 2]
+            peak = max(sample[3] for sample in taken)
             m = Measurement(
-                method,
-                batch_size,
-                cache_block,
-                tokens,
-                seconds,
-                counter.calls,
-                counter.rows,
-                memory.megabytes,
-                note,
+                method, batch_size, cache_block, tokens, seconds, counter.calls, counter.rows, peak, note
             )
             baseline = baseline or (m if method == "ar" else None)
             m.ratio = m.tokens_per_second / baseline.tokens_per_second if baseline else float("nan")
@@ -315,6 +332,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
                 f"{m.tokens_per_second:8.1f} tok/s  x{m.ratio:.2f}  {m.tokens_per_forward:.2f} tok/fwd",
                 flush=True,
             )
+    torch_thread.shutdown()
     if config.output:
         config.output.parent.mkdir(parents=True, exist_ok=True)
         config.output.write_text(json.dumps(report.to_json(), indent=2))
@@ -348,6 +366,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     decode.add_argument("--device", default="cpu")
     decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    decode.add_argument("--repeats", type=int, default=3, help="rounds of every method; median time")
     decode.add_argument("--output", type=Path, help="JSON path")
     decode.set_defaults(run=run)
 
@@ -364,6 +383,7 @@ def run(args: argparse.Namespace) -> None:
         methods=tuple(args.methods),
         device=args.device,
         dtype=args.dtype,
+        repeats=args.repeats,
         output=args.output,
     )
     print(run_bench(config).table())

@@ -42,6 +42,7 @@ def test_bench_decode_measures_every_method(tmp_path):
         max_new_tokens=8,
         batch_sizes=(1, 2),
         cache_blocks=(4,),
+        repeats=2,
         output=tmp_path / "b.json",
     )
     report = run_bench(config)
@@ -64,3 +65,5 @@ def test_bench_decode_measures_every_method(tmp_path):
 def test_bench_rejects_unknown_method():
     with pytest.raises(ValueError, match="methods"):
         BenchConfig(model="tiny", methods=("warp-drive",))
+    with pytest.raises(ValueError, match="repeats"):
+        BenchConfig(model="tiny", repeats=0)

@@ -69,7 +69,11 @@ class ModelConfig(BaseModel):
     )
     upscale_delay_s: float = Field(5.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
-    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages the replicas' reports over this")
+    look_back_period_s: float = Field(
+        15.0,
+        gt=0,
+        description="Serve averages the replicas' reports over this; above Serve's 10 s metrics interval",
+    )
 
     @property
     def served_name(self) -> str:
