@@ -108,8 +108,8 @@ def test_changed_knobs_reach_running_replicas_without_restart(dashboard, tmp_pat
     assert all(s["controller"]["tau"] <= 0.9 for s in after.values())  # clamped into the new range at once
 
 
-async def overload(prefix: str, clients: int, seconds: float) -> int:
-    """`clients` streaming chats back to back for `seconds`; returns how many completed."""
+async def overload(prefix: str, clients: int, stop: asyncio.Event) -> int:
+    """`clients` streaming chats back to back until `stop`; returns how many completed."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Count from 3 to 9."}],
@@ -117,12 +117,11 @@ async def overload(prefix: str, clients: int, seconds: float) -> int:
         "stream": True,
     }
     done = 0
-    deadline = time.monotonic() + seconds
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one_client() -> None:
             nonlocal done
-            while time.monotonic() < deadline:
+            while not stop.is_set():
                 url = f"http://127.0.0.1:{HTTP_PORT}{prefix}/v1/chat/completions"
                 async with client.stream("POST", url, json=body) as response:
                     async for _ in response.aiter_lines():
@@ -151,13 +150,17 @@ def test_replicas_are_added_only_once_tau_is_spent(dashboard, tmp_path):
         wait_for(lambda p=prefix: replicas(p), 180, f"{prefix} up")
 
     async def load_and_watch() -> tuple[list[int], list[dict], int]:
-        spent_counts, trading_states = [], []
-        loads = [asyncio.create_task(overload(p, 8, 40)) for p in ("/spent", "/trading")]
-        while not all(t.done() for t in loads):
+        """Overload both apps the same until `spent` runs a second replica (a new one starts slowly on 2
+        busy cores), for at least 30 s and at most 150 s."""
+        spent_counts, trading_states, stop = [], [], asyncio.Event()
+        loads = [asyncio.create_task(overload(p, 8, stop)) for p in ("/spent", "/trading")]
+        started = time.monotonic()
+        while (elapsed := time.monotonic() - started) < 150 and not (elapsed > 30 and 2 in spent_counts):
             await asyncio.sleep(1)
             spent_counts.append(len(await asyncio.to_thread(replicas, "/spent")))
             trading_states.append(await asyncio.to_thread(replicas, "/trading"))
-        return spent_counts, trading_states, sum([t.result() for t in loads])
+        stop.set()
+        return spent_counts, trading_states, sum(await asyncio.gather(*loads))
 
     spent_counts, trading_states, completed = asyncio.run(load_and_watch())
     assert completed > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 
 from mars_ray import models
@@ -29,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> None:
     model = ModelConfig(
         model=args.model,
@@ -47,6 +52,10 @@ def run(args: argparse.Namespace) -> None:
     from mars_ray.serve.app import build_app
 
     ray.init(address=args.ray_address)
+    # Ctrl-C and SIGTERM (what Kubernetes and `kill` send) both stop cleanly, even where the shell that
+    # started this left SIGINT ignored, as a script's background job does.
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(AppConfig(models=[model])), name="mars", route_prefix="/")
