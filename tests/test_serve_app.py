@@ -7,6 +7,7 @@ and a one-request queue, to show backpressure and freed slots) on a local Ray of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
@@ -299,7 +301,14 @@ def test_mars_ray_serve_command(tmp_path):
         assert reply["usage"]["completion_tokens"] == 3
     finally:
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0, log.read_text()
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # do not leave a server and its Ray cluster running
+            code = None
+            for leftover in [*psutil.Process(process.pid).children(recursive=True), process]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    leftover.kill()
+        assert code == 0, log.read_text()
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log.read_text()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, SlidingDecoder, decode_cached
+from mars_ray.core.decoding import DecodeConfig, decode_cached
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine, RequestError, SamplingParams
@@ -136,42 +136,29 @@ def test_cancelling_frees_the_row_and_the_queue(tiny):
     assert stats.generated_tokens < 500
 
 
-def test_every_decoder_call_runs_on_the_decode_thread(tiny, monkeypatch):
-    """Rows join, finish, hit a stop string and are cancelled, yet the decoder (every torch call of the
-    engine) is only ever touched on the one thread it was given, which outlives the engine."""
-    _, tokenizer = tiny
-    prompts = prompts_of(tokenizer, 5)
+def test_forwards_run_on_the_given_thread_which_outlives_the_engine(tiny):
+    """The bench hands the engine its own torch thread: every forward runs there, and closing the engine
+    leaves that thread to its owner."""
+    model, tokenizer = tiny
     threads = []
-    for name in ("add", "remove", "step"):
-        original = getattr(SlidingDecoder, name)
-
-        def recorded(self, *args, _original=original, _name=name):
-            threads.append((_name, threading.get_ident()))
-            return _original(self, *args)
-
-        monkeypatch.setattr(SlidingDecoder, name, recorded)
+    hook = model.register_forward_hook(lambda *_: threads.append(threading.get_ident()))
     decode_thread = ThreadPoolExecutor(max_workers=1)
 
     async def run():
-        engine = Engine(*tiny, ModelConfig(model="tiny", max_batch_size=2), executor=decode_thread)
-        cancelled = engine.generate(prompts[0], SamplingParams(max_tokens=500))
-        await anext(cancelled)
-        await anext(cancelled)
-        requests = [
-            collect(engine, prompts[1], SamplingParams(max_tokens=6, tau=0.5)),
-            collect(engine, prompts[2], SamplingParams(max_tokens=40, stop=(",",))),
-            collect(engine, prompts[3], SamplingParams(max_tokens=3)),
-        ]
-        await cancelled.aclose()
-        done = await asyncio.gather(*requests)
+        engine = Engine(model, tokenizer, ModelConfig(model="tiny", max_batch_size=2), executor=decode_thread)
+        params = SamplingParams(max_tokens=6, tau=0.5)
+        done = await asyncio.gather(*(collect(engine, p, params) for p in prompts_of(tokenizer, 3)))
         await engine.close()
         return done
 
-    asyncio.run(run())
-    ident = decode_thread.submit(threading.get_ident).result()  # still usable: the engine did not own it
+    try:
+        served = asyncio.run(run())
+    finally:
+        hook.remove()
+    ident = decode_thread.submit(threading.get_ident).result()  # still usable after the engine closed
     decode_thread.shutdown()
-    assert {name for name, _ in threads} == {"add", "remove", "step"}
-    assert {thread for _, thread in threads} == {ident} and ident != threading.get_ident()
+    assert all(last.completion_tokens == 6 for _, last in served)
+    assert threads and set(threads) == {ident} and ident != threading.get_ident()
 
 
 def test_requests_follow_the_operating_tau_unless_pinned(tiny):

@@ -149,7 +149,7 @@ class Engine:
         metrics: EngineMetrics | None = None,
         executor: ThreadPoolExecutor | None = None,
     ) -> None:
-        """`executor`: the one thread that runs the engine's torch work; by default the engine's own."""
+        """`executor`: the thread that runs the engine's forwards; by default the engine's own."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = metrics or EngineMetrics()
         self.max_context = config.max_context or int(model.config.max_position_embeddings)
@@ -160,8 +160,6 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
         self._cancelled: list[_Request] = []
-        self._joining: list[DecodeState] = []  # decoder changes for the decode thread to apply
-        self._leaving: list[DecodeState] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._own_executor = executor is None
@@ -324,7 +322,7 @@ class Engine:
         self._wake.set()
 
     async def _run(self) -> None:
-        """The decode loop: book the batch's changes, one step in the decode thread, hand out the tokens."""
+        """The decode loop: prepare the batch, one forward in the worker thread, hand out the tokens."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -336,33 +334,21 @@ class Engine:
                     await self._wake.wait()
                     continue
                 self._follow_operating_point()
-                seqs, accepted = await loop.run_in_executor(self._executor, self._step)
-                self._deliver([self._running[id(state)] for state in seqs], accepted, time.monotonic())
+                rows = [self._running[id(state)] for state in self.decoder.seqs]
+                accepted = await loop.run_in_executor(self._executor, self.decoder.step)
+                self._deliver(rows, accepted, time.monotonic())
             except Exception as error:  # a failed step fails the requests in the batch, not the replica
                 logger.exception("decode step failed")
                 self._fail_running(error)
-
-    def _step(self) -> tuple[list[DecodeState], list[list[int]]]:
-        """In the decode thread: apply the rows that leave and join, then one forward for the batch.
-
-        Every torch call of the engine happens on this one thread: torch gives each thread that computes its
-        own OpenMP team, and two teams on the same cores ran the decode at under half its speed.
-        """
-        leaving = {id(state) for state in self._leaving}
-        if any(id(state) in leaving for state in self.decoder.seqs):
-            self.decoder.remove(self._leaving)
-        for state in self._joining:
-            self.decoder.add(state)
-        self._leaving, self._joining = [], []
-        seqs = list(self.decoder.seqs)
-        return seqs, self.decoder.step()
 
     def _drop_cancelled(self) -> None:
         if not self._cancelled:
             return
         gone = {id(r.state) for r in self._cancelled}
         self._waiting = deque(r for r in self._waiting if id(r.state) not in gone)
-        self._leaving += [r.state for r in self._cancelled]
+        leaving = [state for state in self.decoder.seqs if id(state) in gone]
+        if leaving:
+            self.decoder.remove(leaving)
         for request in self._cancelled:
             self._running.pop(id(request.state), None)
             self._finished["cancelled"] += 1
@@ -373,7 +359,7 @@ class Engine:
         while self._waiting and len(self._running) < self.config.max_batch_size:
             request = self._waiting.popleft()
             self._running[id(request.state)] = request
-            self._joining.append(request.state)
+            self.decoder.add(request.state)
 
     def _follow_operating_point(self) -> None:
         for request in self._running.values():
@@ -411,7 +397,9 @@ class Engine:
                 self._running.pop(id(request.state))
                 self._finished[request.finish_reason] += 1
                 self.metrics.finished(request.finish_reason)
-        self._leaving += stopped  # rows that finished in the step have left the decoder already
+        still_batched = [s for s in stopped if any(s is row for row in self.decoder.seqs)]
+        if still_batched:
+            self.decoder.remove(still_batched)
         self._steps.append((now, len(rows), sum(map(len, accepted))))
         self._forget_before(now - self.config.stats_window_s)
         self._generated += sum(map(len, accepted))
@@ -427,5 +415,4 @@ class Engine:
                 self._finished["error"] += 1
                 self.metrics.finished("error")
         self._running.clear()
-        self._joining, self._leaving = [], []
         self.decoder = SlidingDecoder(self.model, self.tokenizer.mask_token_id, self.tokenizer.pad_token_id)
