@@ -233,21 +233,22 @@ def run_bench(config: BenchConfig) -> BenchReport:
     # its own OpenMP team, and a second team on the same cores slows whichever method runs after it.
     torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-torch")
 
-    def on_torch_thread(method: str, fn: Callable, batch: list[list[int]]) -> list[int]:
-        if method == "engine":  # its event loop here, its forwards on `torch_thread`
-            return fn(batch)
-        return torch_thread.submit(fn, batch).result()
+    def on_torch_thread(fn: Callable[[list[list[int]]], list[int]]) -> Callable[[list[list[int]]], list[int]]:
+        return lambda batch: torch_thread.submit(fn, batch).result()
 
     def hf_generate(batch: list[list[int]], **extra) -> list[int]:
         return hf_greedy_lengths(model, batch, config.max_new_tokens, stops, pad_id, **extra)
 
+    @on_torch_thread
     def prompt_lookup(batch: list[list[int]]) -> list[int]:
         return [n for p in batch for n in hf_generate([p], prompt_lookup_num_tokens=config.block_size * 2)]
 
+    @on_torch_thread
     def mars_cached(batch: list[list[int]]) -> list[int]:
         return [len(r.tokens) for r in decode_cached(model, batch, mask_id, decode, pad_id)]
 
     def mars_block(cache_block: int, fuse: bool) -> Callable[[list[list[int]]], list[int]]:
+        @on_torch_thread
         def run(batch: list[list[int]]) -> list[int]:
             results = decode_block_cached(
                 model, batch, mask_id, decode, cache_block, pad_id, fuse_extend=fuse
@@ -281,14 +282,14 @@ def run_bench(config: BenchConfig) -> BenchReport:
             finally:
                 await engine.close()
 
-        return lambda prompts: asyncio.run(run(prompts))
+        return lambda prompts: asyncio.run(run(prompts))  # its event loop here, its forwards on torch_thread
 
     report = BenchReport(config, _machine(device))
     for batch_size in config.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         runs: list[tuple[str, int | None, Callable, str]] = []  # each called on every batch in turn
         if "ar" in config.methods:
-            runs.append(("ar", None, hf_generate, "HF generate, greedy, KV cache"))
+            runs.append(("ar", None, on_torch_thread(hf_generate), "HF generate, greedy, KV cache"))
         if "prompt-lookup" in config.methods:
             note = "HF supports batch 1 only: rows run one at a time" if batch_size > 1 else ""
             runs.append(("prompt-lookup", None, prompt_lookup, note))
@@ -302,8 +303,8 @@ def run_bench(config: BenchConfig) -> BenchReport:
         if "engine" in config.methods:
             note = f"continuous batching: all prompts at once, {batch_size} at a time"
             runs.append(("engine", None, engine_batcher(batch_size), note))
-        for method, _, fn, _ in runs:
-            on_torch_thread(method, fn, batches[0])  # warm-up, not timed
+        for _, _, fn, _ in runs:
+            fn(batches[0])  # warm-up, not timed
         samples: list[list[tuple[float, int, ForwardCounter, float]]] = [[] for _ in runs]
         for _ in range(config.repeats):  # rounds: drifting machine load hits every method alike
             for (method, _, fn, _), taken in zip(runs, samples, strict=True):
@@ -312,7 +313,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
                     _sync(device)
                     start = time.perf_counter()
                     inputs = [prompts] if method == "engine" else batches
-                    tokens = sum(sum(on_torch_thread(method, fn, b)) for b in inputs)
+                    tokens = sum(sum(fn(b)) for b in inputs)
                     _sync(device)
                     seconds = time.perf_counter() - start
                 counter.close()

@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> None:
             f"serving {model.served_name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True
         )
         while True:
-            # Short sleeps: Ctrl-C may land on one of Ray's threads, and Python runs the handler only when
-            # the main thread next wakes up (behind an hour-long sleep, CI once saw it not stop).
+            # Short sleeps: a signal may land on one of Ray's threads, and Python runs the handler only
+            # when the main thread next wakes up.
             time.sleep(1)
     except KeyboardInterrupt:
         pass
