@@ -1,9 +1,12 @@
 """`mars-ray bench decode`: every decoder on one checkpoint, the same prompts, budget and batch, one run.
+`mars-ray bench forward`: what one cached decode step costs against the window of tokens it carries.
 
 Methods: HF `generate` greedy with a KV cache (the AR baseline every ratio is taken against, at the same
-batch size), HF prompt-lookup decoding, the MARS sliding cached decoder (at batch 1 the single-sequence
-decoder), the paper's block-cached decoder over a sweep of cache-block sizes (as published, and with the
-extend pass fused into the next block), and the serving engine's continuous batcher.
+batch size); the MARS sliding decoder at tau = 1 (the same greedy AR tokens through MARS's own loop, which
+separates what the loop costs or saves from what multi-token acceptance gains); HF prompt-lookup decoding;
+the MARS sliding cached decoder at the bench's tau (at batch 1 the single-sequence decoder); the paper's
+block-cached decoder over a sweep of cache-block sizes (as published, and with the extend pass fused into
+the next block); and the serving engine's continuous batcher.
 
 Forward passes are counted by a hook on the model, the same way for every method: tokens per forward is
 generated tokens over the rows that took part in each forward (a finished row that HF keeps in its batch
@@ -21,24 +24,26 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, decode_block_cached, decode_cached
+from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine, SamplingParams
 
-METHODS = ("ar", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused", "engine")
+METHODS = ("ar", "ar-sliding", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused", "engine")
+PROMPT_SOURCES = ("mixed", "tasks", "dialogs")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     model: str
-    prompts: int = 16  # held-out prompts: half generated tasks, half real dialogs
+    prompts: int = 16  # held-out prompts
+    prompt_source: str = "mixed"  # half generated tasks and half real dialogs, or only one of them
     max_new_tokens: int = 64
     batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
     cache_blocks: tuple[int, ...] = (4, 8, 16, 32)
@@ -54,6 +59,10 @@ class BenchConfig:
         unknown = set(self.methods) - set(METHODS)
         if unknown:
             raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        if self.prompt_source not in PROMPT_SOURCES:
+            raise ValueError(
+                f"prompt_source must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompt_source!r}"
+            )
         if not 0 < self.tau <= 1:
             raise ValueError(f"tau must lie in (0, 1], got {self.tau}")
         for name in ("prompts", "max_new_tokens", "block_size", "repeats"):
@@ -95,7 +104,7 @@ class BenchReport:
         lines = [
             f"machine: {self.machine}; model: {self.config.model}; tau={self.config.tau:g}, "
             f"block_size={self.config.block_size}, max_new_tokens={self.config.max_new_tokens}, "
-            f"{self.config.prompts} prompts",
+            f"{self.config.prompts} prompts ({self.config.prompt_source})",
             "",
             "| method | batch | cache block | tokens/s | x AR | tokens/forward | forwards | peak MB | note |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -209,10 +218,11 @@ def hf_greedy_lengths(
     return [len(_until_stop(row, stops, pad_id)) for row in out[:, longest:].tolist()]
 
 
-def bench_prompts(tokenizer, count: int) -> list[list[int]]:
-    """Held-out prompts through the chat template: half verifiable tasks, half real dialogs."""
-    tasks = verifiable_tasks("heldout", count=count - count // 2)
-    dialogs = chatterbot_dialogs("heldout")[: count // 2]
+def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int]]:
+    """Held-out prompts through the chat template: verifiable tasks, real dialogs, or half of each."""
+    dialog_count = {"mixed": count // 2, "tasks": 0, "dialogs": count}[source]
+    tasks = verifiable_tasks("heldout", count=count - dialog_count) if dialog_count < count else []
+    dialogs = chatterbot_dialogs("heldout")[:dialog_count]
     return [chat_prompt_ids(tokenizer, row["messages"][:-1]) for row in tasks + dialogs]
 
 
@@ -227,7 +237,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
         max_new_tokens=config.max_new_tokens,
         stop_token_ids=stops,
     )
-    prompts = bench_prompts(tokenizer, config.prompts)
+    prompts = bench_prompts(tokenizer, config.prompts, config.prompt_source)
     device = model.device
     # Every forward of the run on one thread, the engine's included: torch gives each thread that computes
     # its own OpenMP team, and a second team on the same cores slows whichever method runs after it.
@@ -243,9 +253,12 @@ def run_bench(config: BenchConfig) -> BenchReport:
     def prompt_lookup(batch: list[list[int]]) -> list[int]:
         return [n for p in batch for n in hf_generate([p], prompt_lookup_num_tokens=config.block_size * 2)]
 
-    @on_torch_thread
-    def mars_cached(batch: list[list[int]]) -> list[int]:
-        return [len(r.tokens) for r in decode_cached(model, batch, mask_id, decode, pad_id)]
+    def sliding(config: DecodeConfig) -> Callable[[list[list[int]]], list[int]]:
+        @on_torch_thread
+        def run(batch: list[list[int]]) -> list[int]:
+            return [len(r.tokens) for r in decode_cached(model, batch, mask_id, config, pad_id)]
+
+        return run
 
     def mars_block(cache_block: int, fuse: bool) -> Callable[[list[list[int]]], list[int]]:
         @on_torch_thread
@@ -290,12 +303,20 @@ def run_bench(config: BenchConfig) -> BenchReport:
         runs: list[tuple[str, int | None, Callable, str]] = []  # each called on every batch in turn
         if "ar" in config.methods:
             runs.append(("ar", None, on_torch_thread(hf_generate), "HF generate, greedy, KV cache"))
+        if "ar-sliding" in config.methods:
+            greedy = replace(decode, tau=1.0)
+            runs.append(("ar-sliding", None, sliding(greedy), "MARS's sliding decoder at tau = 1: greedy AR"))
         if "prompt-lookup" in config.methods:
             note = "HF supports batch 1 only: rows run one at a time" if batch_size > 1 else ""
             runs.append(("prompt-lookup", None, prompt_lookup, note))
         if "mars-cached" in config.methods:
             runs.append(
-                ("mars-cached", None, mars_cached, "sliding cache" if batch_size > 1 else "single sequence")
+                (
+                    "mars-cached",
+                    None,
+                    sliding(decode),
+                    "sliding cache" if batch_size > 1 else "single sequence",
+                )
             )
         for fuse, name in ((False, "mars-block"), (True, "mars-block-fused")):
             if name in config.methods:
@@ -340,6 +361,87 @@ def run_bench(config: BenchConfig) -> BenchReport:
     return report
 
 
+@dataclass(frozen=True)
+class ForwardBenchConfig:
+    """One cached decode step against its window: `[one committed token | window - 1 masks]` after `context`
+    cached tokens, which is the sliding decoder's step (window 1 is its AR step). The ratio of a window's
+    time to window 1's is the tokens per forward a MARS decoder must accept there just to break even."""
+
+    model: str
+    context: int = 64
+    windows: tuple[int, ...] = (1, 2, 4, 8)
+    batch_sizes: tuple[int, ...] = (1, 4)
+    steps: int = 48  # timed steps per window; the windows take turns step by step
+    device: str = "cpu"
+    dtype: str = "auto"
+    output: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("context", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.windows or min(self.windows) < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError("windows and batch_sizes must be positive")
+
+
+@dataclass
+class StepTime:
+    batch: int
+    window: int
+    milliseconds: float  # median over the timed steps
+    ratio: float  # over the smallest window's time at the same batch
+
+
+@torch.inference_mode()
+def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
+    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
+    device, vocab = model.device, model.config.vocab_size
+    results = []
+    for batch in config.batch_sizes:
+        caches, steps = {}, {}
+        for window in config.windows:  # the same random context for every window
+            torch.manual_seed(0)
+            cache = RaggedCache(model)
+            cache.add_rows(batch)
+            prompt = torch.randint(0, vocab, (batch, config.context), device=device)
+            cache.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), config.context, 1)
+            step = torch.full((batch, window), tokenizer.mask_token_id, device=device)
+            step[:, 0] = prompt[:, -1]
+            caches[window], steps[window] = cache, step
+        times: dict[int, list[float]] = {w: [] for w in config.windows}
+        for i in range(config.steps + 2):  # two warm-up steps
+            for window in config.windows:
+                step = steps[window]
+                _sync(device)
+                start = time.perf_counter()
+                caches[window].forward(step, torch.ones_like(step, dtype=torch.bool), 1, window)
+                _sync(device)
+                if i >= 2:
+                    times[window].append(time.perf_counter() - start)
+        medians = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
+        base = medians[min(config.windows)]
+        results += [StepTime(batch, w, 1e3 * m, m / base) for w, m in medians.items()]
+    if config.output:
+        config.output.parent.mkdir(parents=True, exist_ok=True)
+        report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
+        report |= {"machine": _machine(device), "steps": [asdict(r) for r in results]}
+        config.output.write_text(json.dumps(report, indent=2))
+    return results
+
+
+def forward_table(config: ForwardBenchConfig, results: Sequence[StepTime]) -> str:
+    lines = [
+        f"model: {config.model}, dtype {config.dtype}, {config.context} cached tokens; median of "
+        f"{config.steps} steps. `x window 1`: the tokens per forward a window must accept to break even.",
+        "",
+        "| batch | window | ms/forward | x window 1 |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r.batch} | {r.window} | {r.milliseconds:.2f} | {r.ratio:.2f} |" for r in results]
+    return "\n".join(lines)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -359,6 +461,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     decode.add_argument("--model", required=True)
     decode.add_argument("--prompts", type=int, default=16)
+    decode.add_argument("--prompt-source", default="mixed", choices=PROMPT_SOURCES)
     decode.add_argument("--max-new-tokens", type=int, default=64)
     decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     decode.add_argument("--cache-blocks", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -370,12 +473,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--repeats", type=int, default=3, help="rounds of every method; median time")
     decode.add_argument("--output", type=Path, help="JSON path")
     decode.set_defaults(run=run)
+    step = kinds.add_parser("forward", help="one cached decode step's time against the window it carries")
+    step.add_argument("--model", required=True)
+    step.add_argument("--context", type=int, default=64, help="cached tokens before the step")
+    step.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 8])
+    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    step.add_argument("--steps", type=int, default=48)
+    step.add_argument("--device", default="cpu")
+    step.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    step.add_argument("--output", type=Path, help="JSON path")
+    step.set_defaults(run=run_forward)
 
 
 def run(args: argparse.Namespace) -> None:
     config = BenchConfig(
         model=args.model,
         prompts=args.prompts,
+        prompt_source=args.prompt_source,
         max_new_tokens=args.max_new_tokens,
         batch_sizes=tuple(args.batch_sizes),
         cache_blocks=tuple(args.cache_blocks),
@@ -388,3 +502,17 @@ def run(args: argparse.Namespace) -> None:
         output=args.output,
     )
     print(run_bench(config).table())
+
+
+def run_forward(args: argparse.Namespace) -> None:
+    config = ForwardBenchConfig(
+        model=args.model,
+        context=args.context,
+        windows=tuple(args.windows),
+        batch_sizes=tuple(args.batch_sizes),
+        steps=args.steps,
+        device=args.device,
+        dtype=args.dtype,
+        output=args.output,
+    )
+    print(forward_table(config, run_forward_bench(config)))
