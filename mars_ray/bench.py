@@ -24,7 +24,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from mars_ray.serve.engine import Engine, SamplingParams
 
 METHODS = ("ar", "ar-sliding", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused", "engine")
 PROMPT_SOURCES = ("mixed", "tasks", "dialogs")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,6 @@ class BenchReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()}
         rows = [
             {
                 **asdict(m),
@@ -128,7 +128,7 @@ class BenchReport:
             }
             for m in self.measurements
         ]
-        return {"config": config, "machine": self.machine, "measurements": rows}
+        return {"config": _config_json(self.config), "machine": self.machine, "measurements": rows}
 
 
 class ForwardCounter:
@@ -227,8 +227,7 @@ def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int
 
 
 def run_bench(config: BenchConfig) -> BenchReport:
-    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
+    model, tokenizer = _load(config)
     stops = models.stop_token_ids(model, tokenizer)
     mask_id, pad_id = tokenizer.mask_token_id, tokenizer.pad_token_id
     decode = DecodeConfig(
@@ -355,9 +354,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
                 flush=True,
             )
     torch_thread.shutdown()
-    if config.output:
-        config.output.parent.mkdir(parents=True, exist_ok=True)
-        config.output.write_text(json.dumps(report.to_json(), indent=2))
+    _write_json(config.output, report.to_json())
     return report
 
 
@@ -394,12 +391,11 @@ class StepTime:
 
 @torch.inference_mode()
 def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
-    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
+    model, tokenizer = _load(config)
     device, vocab = model.device, model.config.vocab_size
     results = []
     for batch in config.batch_sizes:
-        caches, steps = {}, {}
+        caches, steps, real = {}, {}, {}
         for window in config.windows:  # the same random context for every window
             torch.manual_seed(0)
             cache = RaggedCache(model)
@@ -409,24 +405,25 @@ def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
             step = torch.full((batch, window), tokenizer.mask_token_id, device=device)
             step[:, 0] = prompt[:, -1]
             caches[window], steps[window] = cache, step
+            real[window] = torch.ones_like(step, dtype=torch.bool)
         times: dict[int, list[float]] = {w: [] for w in config.windows}
         for i in range(config.steps + 2):  # two warm-up steps
             for window in config.windows:
-                step = steps[window]
                 _sync(device)
                 start = time.perf_counter()
-                caches[window].forward(step, torch.ones_like(step, dtype=torch.bool), 1, window)
+                caches[window].forward(steps[window], real[window], 1, window)
                 _sync(device)
                 if i >= 2:
                     times[window].append(time.perf_counter() - start)
         medians = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
         base = medians[min(config.windows)]
         results += [StepTime(batch, w, 1e3 * m, m / base) for w, m in medians.items()]
-    if config.output:
-        config.output.parent.mkdir(parents=True, exist_ok=True)
-        report = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}}
-        report |= {"machine": _machine(device), "steps": [asdict(r) for r in results]}
-        config.output.write_text(json.dumps(report, indent=2))
+    report = {
+        "config": _config_json(config),
+        "machine": _machine(device),
+        "steps": [asdict(r) for r in results],
+    }
+    _write_json(config.output, report)
     return results
 
 
@@ -440,6 +437,21 @@ def forward_table(config: ForwardBenchConfig, results: Sequence[StepTime]) -> st
     ]
     lines += [f"| {r.batch} | {r.window} | {r.milliseconds:.2f} | {r.ratio:.2f} |" for r in results]
     return "\n".join(lines)
+
+
+def _load(config: BenchConfig | ForwardBenchConfig):
+    dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
+    return models.load(config.model, dtype=dtype, device=config.device)
+
+
+def _config_json(config: BenchConfig | ForwardBenchConfig) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+
+
+def _write_json(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
 
 
 def _sync(device: torch.device) -> None:
@@ -469,7 +481,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--block-size", type=int, default=4)
     decode.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     decode.add_argument("--device", default="cpu")
-    decode.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    decode.add_argument("--dtype", default="auto", choices=DTYPES)
     decode.add_argument("--repeats", type=int, default=3, help="rounds of every method; median time")
     decode.add_argument("--output", type=Path, help="JSON path")
     decode.set_defaults(run=run)
@@ -480,39 +492,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     step.add_argument("--steps", type=int, default=48)
     step.add_argument("--device", default="cpu")
-    step.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    step.add_argument("--dtype", default="auto", choices=DTYPES)
     step.add_argument("--output", type=Path, help="JSON path")
     step.set_defaults(run=run_forward)
 
 
+def _config_from_args(kind: type, args: argparse.Namespace):
+    """The typed config from the parsed flags: every flag is named after its field; lists become tuples."""
+    values = {f.name: getattr(args, f.name) for f in fields(kind)}
+    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
 def run(args: argparse.Namespace) -> None:
-    config = BenchConfig(
-        model=args.model,
-        prompts=args.prompts,
-        prompt_source=args.prompt_source,
-        max_new_tokens=args.max_new_tokens,
-        batch_sizes=tuple(args.batch_sizes),
-        cache_blocks=tuple(args.cache_blocks),
-        tau=args.tau,
-        block_size=args.block_size,
-        methods=tuple(args.methods),
-        device=args.device,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        output=args.output,
-    )
-    print(run_bench(config).table())
+    print(run_bench(_config_from_args(BenchConfig, args)).table())
 
 
 def run_forward(args: argparse.Namespace) -> None:
-    config = ForwardBenchConfig(
-        model=args.model,
-        context=args.context,
-        windows=tuple(args.windows),
-        batch_sizes=tuple(args.batch_sizes),
-        steps=args.steps,
-        device=args.device,
-        dtype=args.dtype,
-        output=args.output,
-    )
+    config = _config_from_args(ForwardBenchConfig, args)
     print(forward_table(config, run_forward_bench(config)))
