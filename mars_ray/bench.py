@@ -49,8 +49,10 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
     cache_blocks: tuple[int, ...] = (4, 8, 16, 32)
     tau: float = 0.9
-    block_size: int = 4
+    block_size: int | None = None  # default: the trained B
+    allow_wider_window: bool = False
     methods: tuple[str, ...] = METHODS
+    baseline: str | None = None  # the base model: HF generate on it is what every ratio is taken against
     device: str = "cpu"
     dtype: str = "auto"
     repeats: int = 3  # rounds of every method in turn; each row reports its median time
@@ -66,7 +68,7 @@ class BenchConfig:
             )
         if not 0 < self.tau <= 1:
             raise ValueError(f"tau must lie in (0, 1], got {self.tau}")
-        for name in ("prompts", "max_new_tokens", "block_size", "repeats"):
+        for name in ("prompts", "max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.batch_sizes or min(self.batch_sizes) < 1 or min(self.cache_blocks, default=2) < 1:
@@ -84,7 +86,9 @@ class Measurement:
     row_forwards: int
     peak_memory_mb: float
     note: str = ""
-    ratio: float = 0.0  # tokens/s over the AR baseline's at the same batch size, this run
+    ratio: float = 0.0  # tokens/s over HF generate's at the same batch size, this run (the base model's)
+    ratio_sliding: float = 0.0  # tokens/s over ar-sliding's (MARS's own loop at tau = 1)
+    same_as_greedy: float | None = None  # fraction of rows whose tokens equal HF generate's on this model
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,20 +106,28 @@ class BenchReport:
     measurements: list[Measurement] = field(default_factory=list)
 
     def table(self) -> str:
+        versus = "base AR" if self.config.baseline else "AR"
         lines = [
-            f"machine: {self.machine}; model: {self.config.model}; tau={self.config.tau:g}, "
-            f"block_size={self.config.block_size}, max_new_tokens={self.config.max_new_tokens}, "
-            f"{self.config.prompts} prompts ({self.config.prompt_source})",
+            f"machine: {self.machine}; model: {self.config.model}"
+            + (f" (base: {self.config.baseline})" if self.config.baseline else "")
+            + f"; dtype {self.config.dtype}; tau={self.config.tau:g}, block_size={self.config.block_size}, "
+            f"max_new_tokens={self.config.max_new_tokens}, {self.config.prompts} prompts "
+            f"({self.config.prompt_source}); `= greedy`: rows whose tokens equal HF generate's on the model",
             "",
-            "| method | batch | cache block | tokens/s | x AR | tokens/forward | forwards | peak MB | note |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"| method | batch | cache block | tokens/s | x {versus} | x ar-sliding | tokens/forward "
+            "| forwards | = greedy % | peak MB | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+
+        def times(value: float) -> str:
+            return f"{value:.2f}" if math.isfinite(value) else ""  # blank: nothing to compare with
+
         for m in self.measurements:
-            ratio = f"{m.ratio:.2f}" if math.isfinite(m.ratio) else ""  # blank: no AR row to compare with
+            same = "" if m.same_as_greedy is None else f"{100 * m.same_as_greedy:.0f}"
             lines.append(
                 f"| {m.method} | {m.batch} | {m.cache_block or ''} | {m.tokens_per_second:.1f} "
-                f"| {ratio} | {m.tokens_per_forward:.2f} | {m.forwards} "
-                f"| {m.peak_memory_mb:.0f} | {m.note} |"
+                f"| {times(m.ratio)} | {times(m.ratio_sliding)} | {m.tokens_per_forward:.2f} | {m.forwards} "
+                f"| {same} | {m.peak_memory_mb:.0f} | {m.note} |"
             )
         return "\n".join(lines)
 
@@ -198,11 +210,11 @@ def _until_stop(row: list[int], stops: Sequence[int], pad_id: int) -> list[int]:
     return [t for t in row if t != pad_id] if pad_id in stops else row
 
 
-def hf_greedy_lengths(
+def hf_greedy_tokens(
     model, prompts: list[list[int]], max_new_tokens: int, stops: Sequence[int], pad_id: int, **extra
-) -> list[int]:
+) -> list[list[int]]:
     """transformers `generate`, greedy with its KV cache, over the prompts left-padded into one batch: the
-    AR baseline. Returns each row's generated length up to and including its first stop token."""
+    AR baseline. Returns each row's generated tokens up to and including its first stop token."""
     longest = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=model.device)
     attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
@@ -215,7 +227,7 @@ def hf_greedy_lengths(
         pad_token_id=pad_id,
         **extra,
     )
-    return [len(_until_stop(row, stops, pad_id)) for row in out[:, longest:].tolist()]
+    return [_until_stop(row, stops, pad_id) for row in out[:, longest:].tolist()]
 
 
 def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int]]:
@@ -227,67 +239,75 @@ def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int
 
 
 def run_bench(config: BenchConfig) -> BenchReport:
-    model, tokenizer = _load(config)
-    stops = models.stop_token_ids(model, tokenizer)
+    model, tokenizer = _load(config.model, config)
+    base_model = _load(config.baseline, config)[0] if config.baseline else None
     mask_id, pad_id = tokenizer.mask_token_id, tokenizer.pad_token_id
-    decode = DecodeConfig(
+    decode = DecodeConfig.for_model(
+        model,
+        tokenizer,
+        config.block_size,
+        allow_wider=config.allow_wider_window,
         tau=config.tau,
-        block_size=config.block_size,
         max_new_tokens=config.max_new_tokens,
-        stop_token_ids=stops,
     )
+    stops = decode.stop_token_ids
     prompts = bench_prompts(tokenizer, config.prompts, config.prompt_source)
     device = model.device
     # Every forward of the run on one thread, the engine's included: torch gives each thread that computes
     # its own OpenMP team, and a second team on the same cores slows whichever method runs after it.
     torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-torch")
+    Rows = list[list[int]]
 
-    def on_torch_thread(fn: Callable[[list[list[int]]], list[int]]) -> Callable[[list[list[int]]], list[int]]:
+    def on_torch_thread(fn: Callable[[Rows], Rows]) -> Callable[[Rows], Rows]:
         return lambda batch: torch_thread.submit(fn, batch).result()
 
-    def hf_generate(batch: list[list[int]], **extra) -> list[int]:
-        return hf_greedy_lengths(model, batch, config.max_new_tokens, stops, pad_id, **extra)
+    def hf_generate(batch: Rows, on=model, **extra) -> Rows:
+        return hf_greedy_tokens(on, batch, config.max_new_tokens, stops, pad_id, **extra)
 
     @on_torch_thread
-    def prompt_lookup(batch: list[list[int]]) -> list[int]:
-        return [n for p in batch for n in hf_generate([p], prompt_lookup_num_tokens=config.block_size * 2)]
+    def prompt_lookup(batch: Rows) -> Rows:
+        window = decode.block_size * 2
+        return [row for p in batch for row in hf_generate([p], prompt_lookup_num_tokens=window)]
 
-    def sliding(config: DecodeConfig) -> Callable[[list[list[int]]], list[int]]:
+    def sliding(config: DecodeConfig) -> Callable[[Rows], Rows]:
         @on_torch_thread
-        def run(batch: list[list[int]]) -> list[int]:
-            return [len(r.tokens) for r in decode_cached(model, batch, mask_id, config, pad_id)]
+        def run(batch: Rows) -> Rows:
+            return [r.tokens for r in decode_cached(model, batch, mask_id, config, pad_id)]
 
         return run
 
-    def mars_block(cache_block: int, fuse: bool) -> Callable[[list[list[int]]], list[int]]:
+    def mars_block(cache_block: int, fuse: bool) -> Callable[[Rows], Rows]:
         @on_torch_thread
-        def run(batch: list[list[int]]) -> list[int]:
+        def run(batch: Rows) -> Rows:
             results = decode_block_cached(
                 model, batch, mask_id, decode, cache_block, pad_id, fuse_extend=fuse
             )
-            return [len(r.tokens) for r in results]
+            return [r.tokens for r in results]
 
         return run
 
-    def engine_batcher(batch_size: int) -> Callable[[list[list[int]]], list[int]]:
+    def engine_batcher(batch_size: int) -> Callable[[Rows], Rows]:
         """The serving engine in this process: the prompts arrive at once, at most `batch_size` run
         together, and a waiting one takes a finished one's row at the next forward."""
         serving = ModelConfig(
             model=config.model,
             tau=config.tau,
-            block_size=config.block_size,
+            block_size=decode.block_size,
+            max_block_size=decode.block_size,
             max_batch_size=batch_size,
             max_ongoing_requests=max(batch_size, 64),
         )
         params = SamplingParams(max_tokens=config.max_new_tokens)
 
-        async def one(engine: Engine, prompt: list[int]) -> int:
+        async def one(engine: Engine, prompt: list[int]) -> list[int]:
+            tokens = []
             async for chunk in engine.generate(prompt, params):
+                tokens += chunk.token_ids
                 if chunk.finish_reason:
-                    return chunk.completion_tokens
+                    return tokens
             raise RuntimeError("the engine ended a request without a finish reason")
 
-        async def run(prompts: list[list[int]]) -> list[int]:
+        async def run(prompts: Rows) -> Rows:
             engine = Engine(model, tokenizer, serving, executor=torch_thread)
             try:
                 return list(await asyncio.gather(*(one(engine, p) for p in prompts)))
@@ -300,6 +320,9 @@ def run_bench(config: BenchConfig) -> BenchReport:
     for batch_size in config.batch_sizes:
         batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
         runs: list[tuple[str, int | None, Callable, str]] = []  # each called on every batch in turn
+        if base_model is not None:
+            base = on_torch_thread(lambda batch: hf_generate(batch, on=base_model))
+            runs.append(("ar-base", None, base, "HF generate on the base model, greedy, KV cache"))
         if "ar" in config.methods:
             runs.append(("ar", None, on_torch_thread(hf_generate), "HF generate, greedy, KV cache"))
         if "ar-sliding" in config.methods:
@@ -325,31 +348,44 @@ def run_bench(config: BenchConfig) -> BenchReport:
             runs.append(("engine", None, engine_batcher(batch_size), note))
         for _, _, fn, _ in runs:
             fn(batches[0])  # warm-up, not timed
-        samples: list[list[tuple[float, int, ForwardCounter, float]]] = [[] for _ in runs]
+        samples: list[list[tuple[float, Rows, ForwardCounter, float]]] = [[] for _ in runs]
         for _ in range(config.repeats):  # rounds: drifting machine load hits every method alike
             for (method, _, fn, _), taken in zip(runs, samples, strict=True):
-                counter = ForwardCounter(model)
+                counter = ForwardCounter(base_model if method == "ar-base" else model)
                 with PeakMemory(device) as memory:
                     _sync(device)
                     start = time.perf_counter()
                     inputs = [prompts] if method == "engine" else batches
-                    tokens = sum(sum(fn(b)) for b in inputs)
+                    outputs = [row for b in inputs for row in fn(b)]
                     _sync(device)
                     seconds = time.perf_counter() - start
                 counter.close()
-                taken.append((seconds, tokens, counter, memory.megabytes))
-        baseline = None
+                taken.append((seconds, outputs, counter, memory.megabytes))
+        measured = []
         for (method, cache_block, _, note), taken in zip(runs, samples, strict=True):
-            seconds, tokens, counter, _ = sorted(taken, key=lambda sample: sample[0])[len(taken) // 2]
+            seconds, outputs, counter, _ = sorted(taken, key=lambda sample: sample[0])[len(taken) // 2]
             peak = max(sample[3] for sample in taken)
+            tokens = sum(map(len, outputs))
             m = Measurement(
                 method, batch_size, cache_block, tokens, seconds, counter.calls, counter.rows, peak, note
             )
-            baseline = baseline or (m if method == "ar" else None)
+            measured.append((m, outputs))
+        reference = {m.method: (m, outputs) for m, outputs in measured}
+        baseline = reference.get("ar-base", reference.get("ar", (None, None)))[0]
+        sliding_ar = reference.get("ar-sliding", (None, None))[0]
+        greedy_rows = reference.get("ar", (None, None))[1]
+        for m, outputs in measured:
             m.ratio = m.tokens_per_second / baseline.tokens_per_second if baseline else float("nan")
+            m.ratio_sliding = (
+                m.tokens_per_second / sliding_ar.tokens_per_second if sliding_ar else float("nan")
+            )
+            if greedy_rows is not None and m.method != "ar-base":
+                m.same_as_greedy = sum(a == b for a, b in zip(outputs, greedy_rows, strict=True)) / len(
+                    outputs
+                )
             report.measurements.append(m)
             print(
-                f"  {method:17s} batch {batch_size:2d} block {cache_block or '-':>3}: "
+                f"  {m.method:17s} batch {batch_size:2d} block {m.cache_block or '-':>3}: "
                 f"{m.tokens_per_second:8.1f} tok/s  x{m.ratio:.2f}  {m.tokens_per_forward:.2f} tok/fwd",
                 flush=True,
             )
@@ -391,7 +427,7 @@ class StepTime:
 
 @torch.inference_mode()
 def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
-    model, tokenizer = _load(config)
+    model, tokenizer = _load(config.model, config)
     device, vocab = model.device, model.config.vocab_size
     results = []
     for batch in config.batch_sizes:
@@ -439,9 +475,9 @@ def forward_table(config: ForwardBenchConfig, results: Sequence[StepTime]) -> st
     return "\n".join(lines)
 
 
-def _load(config: BenchConfig | ForwardBenchConfig):
+def _load(model: str, config: BenchConfig | ForwardBenchConfig):
     dtype = getattr(torch, config.dtype) if config.dtype != "auto" else None
-    return models.load(config.model, dtype=dtype, device=config.device)
+    return models.load(model, dtype=dtype, device=config.device)
 
 
 def _config_json(config: BenchConfig | ForwardBenchConfig) -> dict:
@@ -478,8 +514,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     decode.add_argument("--cache-blocks", type=int, nargs="+", default=[4, 8, 16, 32])
     decode.add_argument("--tau", type=float, default=0.9)
-    decode.add_argument("--block-size", type=int, default=4)
+    decode.add_argument("--block-size", type=int, help="window (default: the trained B)")
+    decode.add_argument("--allow-wider-window", action="store_true", help="a window wider than the trained B")
     decode.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    decode.add_argument("--baseline", help="the base model: `ar-base` (HF generate on it) sets every ratio")
     decode.add_argument("--device", default="cpu")
     decode.add_argument("--dtype", default="auto", choices=DTYPES)
     decode.add_argument("--repeats", type=int, default=3, help="rounds of every method; median time")

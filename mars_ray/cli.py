@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mars_ray import bench, evaluate, generate, prepare, quickstart
+from mars_ray import bench, calibrate, distill, evaluate, generate, prepare, quickstart
 from mars_ray.serve import command as serve
 from mars_ray.train import command as train
 
-SUBCOMMANDS = (generate, evaluate, bench, prepare, train, quickstart, serve)
+SUBCOMMANDS = (generate, evaluate, calibrate, bench, prepare, distill, train, quickstart, serve)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,17 @@
 """Chat data in OpenAI `messages` format: the bundled offline sources, any `datasets` source, and the
 tokenization that training uses (only the last assistant turn supervised, every skipped row counted).
 
-Two sources ship with the project and are kept apart in every report:
+Sources that ship with the project, kept apart in every report:
 - `chatterbot`: real English dialogs from the `chatterbot-corpus` package (about 2,400 exchanges).
+- `chatterbot-prompts`: every distinct utterance of the `chatterbot` dialogs of a split, as a one-turn
+  prompt with no reply: prompts for `mars-ray distill`, which writes the replies.
 - `tasks`: instructions with verifiable answers that this module generates (counting, sequences,
   copying, spelling, small sums), for exact-match accuracy. Not real user data.
-Each has a deterministic held-out split (by a hash of the prompt) that training never sees.
+Each has deterministic splits by a hash of the prompt: `heldout` (10%: evaluation), `calibration` (5%:
+fitting decoding knobs such as confidence temperatures) and `train` (the rest), which never meet.
+
+A row may carry `complete: false` (a distilled reply cut at its token budget): its chat is then not
+closed, so training never learns to end a reply where the budget happened to cut it.
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from jinja2 import TemplateError
 
 from mars_ray.core.objective import IGNORE, Example
 
-Split = Literal["train", "heldout"]
-HELDOUT_PERCENT = 10
+Split = Literal["train", "calibration", "heldout"]
+SPLITS: tuple[Split, ...] = ("train", "calibration", "heldout")
+HELDOUT_PERCENT, CALIBRATION_PERCENT = 10, 5
 
 
 def _split_of(key: str) -> Split:
     bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
-    return "heldout" if bucket < HELDOUT_PERCENT else "train"
+    if bucket < HELDOUT_PERCENT:
+        return "heldout"
+    return "calibration" if bucket < HELDOUT_PERCENT + CALIBRATION_PERCENT else "train"
 
 
 def chatterbot_dialogs(split: Split = "train") -> list[dict]:
@@ -53,6 +62,25 @@ def chatterbot_dialogs(split: Split = "train") -> list[dict]:
             ]
             rows.append({"messages": messages, "source": f"chatterbot/{path.stem}"})
     return [r for r in rows if _split_of(_prompt_key(r)) == split]
+
+
+def chatterbot_prompts(split: Split = "train") -> list[dict]:
+    """Each distinct utterance of the split's dialogs as a one-turn user prompt, in corpus order.
+
+    An utterance that also occurs in another split's dialogs is left out, so no other split's text is
+    ever a prompt here.
+    """
+
+    def utterances(rows: list[dict]) -> dict[str, None]:
+        return dict.fromkeys(m["content"] for r in rows for m in r["messages"])
+
+    own = utterances(chatterbot_dialogs(split))
+    others = {u for other in SPLITS if other != split for u in utterances(chatterbot_dialogs(other))}
+    return [
+        {"messages": [{"role": "user", "content": u}], "source": "chatterbot-prompts"}
+        for u in own
+        if u not in others
+    ]
 
 
 WORDS = (
@@ -144,21 +172,24 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
-BUNDLED_SOURCES = ("tasks", "chatterbot")
+BUNDLED_SOURCES = ("tasks", "chatterbot", "chatterbot-prompts")
 
 
 def load_chats(source: str, split: str = "train", tasks_count: int = 4000) -> datasets.Dataset:
     """Any chat source as a `datasets.Dataset` with a `messages` column.
 
-    `source` is a bundled name (`tasks`, `chatterbot`: their own train/heldout split), a local JSONL, JSON or
-    Parquet file, a folder (`save_to_disk` output or files `datasets` recognises), or a Hub dataset id.
+    `source` is a bundled name (`tasks`, `chatterbot`, `chatterbot-prompts`: their own splits), a local
+    JSONL, JSON or Parquet file, a folder (`save_to_disk` output or files `datasets` recognises), or a Hub
+    dataset id.
     """
-    if source in BUNDLED_SOURCES and split not in ("train", "heldout"):
-        raise ValueError(f"{source!r} has the splits train and heldout, not {split!r}")
+    if source in BUNDLED_SOURCES and split not in SPLITS:
+        raise ValueError(f"{source!r} has the splits {', '.join(SPLITS)}, not {split!r}")
     if source == "tasks":
         dataset = datasets.Dataset.from_list(verifiable_tasks(split, count=tasks_count))
     elif source == "chatterbot":
         dataset = datasets.Dataset.from_list(chatterbot_dialogs(split))
+    elif source == "chatterbot-prompts":
+        dataset = datasets.Dataset.from_list(chatterbot_prompts(split))
     else:
         dataset = _load_external(source, split)
     if "messages" not in dataset.column_names:
@@ -221,11 +252,13 @@ def _malformed(messages) -> str | None:
     return None
 
 
-def tokenize_chat(tokenizer, messages, max_length: int) -> Example | str:
+def tokenize_chat(tokenizer, messages, max_length: int, complete: bool = True) -> Example | str:
     """One whole chat as an `Example` supervising only its last (assistant) turn, or why it is skipped.
 
     The prompt is the template over `messages[:-1]` with the generation prompt; it must be a prefix of the
     whole chat. A chat whose prompt alone fills `max_length` is skipped (nothing would be supervised).
+    `complete=False`: the last turn was cut short, so the template's closing tokens after it (ChatML:
+    `<|im_end|>` and a newline) are left out.
     """
     problem = _malformed(messages)
     if problem:
@@ -233,6 +266,10 @@ def tokenize_chat(tokenizer, messages, max_length: int) -> Example | str:
     try:
         ids = chat_ids(tokenizer, messages)
         prompt = chat_prompt_ids(tokenizer, messages[:-1])
+        if not complete:
+            empty = messages[:-1] + [{"role": messages[-1]["role"], "content": ""}]
+            closing = len(chat_ids(tokenizer, empty)) - len(prompt)
+            ids = ids[: len(ids) - max(closing, 0)]
     except (TemplateError, ValueError, TypeError):  # a template may reject a chat (roles out of order)
         return "chat template failed"
     if ids[: len(prompt)] != prompt:
@@ -248,18 +285,20 @@ def tokenize_chats(
     """Tokenize every row of one source, counting what is kept, cut and skipped (never silently).
 
     Kept chats longer than `max_length` keep their first `max_length` tokens, so a long answer loses its
-    tail and its EOS (the reference code does the same).
+    tail and its EOS (the reference code does the same); a row with `complete: false` (a reply cut at its
+    budget) is counted as truncated too.
     """
     report = DataReport(source)
     examples = []
-    for messages in rows["messages"]:
+    completes = rows["complete"] if "complete" in rows.column_names else [True] * len(rows)
+    for messages, complete in zip(rows["messages"], completes, strict=True):
         report.rows += 1
-        result = tokenize_chat(tokenizer, messages, max_length)
+        result = tokenize_chat(tokenizer, messages, max_length, complete is not False)
         if isinstance(result, str):
             report.skipped[result] += 1
             continue
         report.kept += 1
-        if len(result.input_ids) > max_length:
+        if len(result.input_ids) > max_length or complete is False:
             report.truncated += 1
             result = Example(result.input_ids[:max_length], result.labels[:max_length])
         examples.append(result)

@@ -1,137 +1,137 @@
 """Quality against speed: the tau sweep of the paper's Tables 2, 4 and 8, on our held-out sets.
 
-For each model (the MARS checkpoint and, when given, its AR-SFT control) and each tau, decode the held-out
-prompts and report tokens per forward with:
+A user's question is "how far from my original model am I at this tau". So each (model, tau) cell holds
+tokens per forward and, on held-out prompts:
 - `tasks` (generated, verifiable): exact-match accuracy against the known answer;
-- `chatterbot` (real dialogs, no single right answer): agreement with the same model's greedy (tau = 1)
-  reply, exact and as a character-level similarity, plus similarity to the human reply.
-Decoding is batched with the sliding cache, which gives every row the tokens and forward count it has alone.
+- `chatterbot` (real dialogs, no single right answer): agreement, exact and as a character-level
+  similarity, with the same model's greedy (tau = 1) reply and, given `baseline`, with the base model's
+  greedy reply (the headline when a base is given), plus similarity to the human reply.
+A checkpoint with calibrated slot temperatures is swept with them and with raw probabilities, side by
+side. Decoding is continuous batching over the sliding cache, which gives every row the tokens and
+forward count it has alone; `check_greedy` also decodes every prompt with HF `generate` and counts the
+tau = 1 replies that differ from it token for token.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
-from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mars_ray import cli_args, models
+from mars_ray.core.decoding import DecodeConfig, DecodeResult, decode_continuous
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 
 PAPER_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
+Source = Literal["tasks", "chatterbot"]
+Confidence = Literal["calibrated", "raw"]
 
 
-@dataclass(frozen=True)
-class EvalConfig:
-    model: str
-    baseline: str | None = None  # the AR-SFT control, decoded the same way
-    taus: tuple[float, ...] = PAPER_TAUS
-    block_size: int = 4
-    tasks_limit: int = 200
-    dialogs_limit: int = 100
-    max_new_tokens: int = 64
-    batch_size: int = 16
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="the MARS checkpoint: folder, Hub id or preset")
+    baseline: str | None = Field(
+        default=None, description="the base model it was trained from: its greedy replies are the reference"
+    )
+    baseline_taus: list[float] = Field(
+        default=[1.0], min_length=1, description="taus the baseline is swept at too (1.0: its replies only)"
+    )
+    taus: list[float] = Field(default=list(PAPER_TAUS), min_length=1, description="taus to sweep")
+    confidences: list[Confidence] = Field(
+        default=["calibrated", "raw"],
+        min_length=1,
+        description="calibrated slot temperatures (when the checkpoint has them) and raw probabilities",
+    )
+    block_size: int | None = Field(default=None, ge=1, description="window; default: the trained B")
+    allow_wider_window: bool = Field(default=False, description="allow a window wider than the trained B")
+    sources: list[Source] = Field(default=["tasks", "chatterbot"], min_length=1)
+    tasks_limit: int = Field(default=200, ge=1, description="held-out tasks")
+    dialogs_limit: int = Field(default=100, ge=1, description="held-out dialogs")
+    max_new_tokens: int = Field(default=64, ge=1)
+    batch_size: int = Field(default=16, ge=1, description="rows decoded together")
     device: str = "cpu"
-    output: Path | None = None  # JSON report
-    plot: Path | None = None  # Pareto PNG: tokens per forward against accuracy
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    check_greedy: bool = Field(
+        default=False, description="also decode with HF generate and count tau = 1 replies that differ"
+    )
+    output: Path | None = Field(default=None, description="JSON report path")
+    plot: Path | None = Field(default=None, description="Pareto plot PNG path")
 
-    def __post_init__(self) -> None:
-        if not self.taus or any(not 0 < t <= 1 for t in self.taus):
-            raise ValueError(f"taus must lie in (0, 1], got {self.taus}")
-        for name in ("block_size", "tasks_limit", "max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    @field_validator("taus", "baseline_taus")
+    @classmethod
+    def _in_range(cls, taus: list[float]) -> list[float]:
+        if any(not 0 < t <= 1 for t in taus):
+            raise ValueError(f"taus must lie in (0, 1], got {taus}")
+        return taus
 
 
-@dataclass
-class Score:
-    """One (model, source, tau) cell."""
+class Score(BaseModel):
+    """One (model, source, confidence, tau) cell. Agreements are fractions of prompts; None: not measured."""
 
     model: str
     source: str
+    confidence: str
     tau: float
-    accuracy: float  # tasks: exact match; chatterbot: exact agreement with the greedy reply
+    prompts: int
     tokens_per_forward: float
-    similarity: float  # chatterbot: similarity to the greedy reply (tasks: same as accuracy)
-    human_similarity: float | None = None  # chatterbot: similarity to the human reply
-    prompts: int = 0
+    acceptance: list[float]  # per window slot j: the fraction of forwards that accepted more than j tokens
+    accuracy: float | None = None  # tasks: exact match with the known answer
+    self_exact: float = 1.0  # the same model's tau = 1 reply, token for token (text)
+    self_similarity: float = 1.0
+    base_exact: float | None = None  # the baseline's greedy reply
+    base_similarity: float | None = None
+    human_similarity: float | None = None  # chatterbot: the human reply
+    greedy_mismatches: int | None = None  # tau = 1 with check_greedy: replies unlike HF generate's
 
 
-@dataclass
-class EvalReport:
+class EvalReport(BaseModel):
     config: EvalConfig
-    scores: list[Score] = field(default_factory=list)
+    scores: list[Score] = []
 
     def table(self) -> str:
-        """Markdown: one row per model and tau, accuracy / tokens per forward per source."""
-        sources = sorted({s.source for s in self.scores}, key=["tasks", "chatterbot"].index)
-        head = "| model | tau | " + " | ".join(f"{s} acc | {s} tok/fwd" for s in sources) + " |"
-        lines = [head, "|" + "---|" * (2 + 2 * len(sources))]
-        for name in dict.fromkeys(s.model for s in self.scores):
-            for tau in self.config.taus:
-                cells = []
-                for source in sources:
-                    score = next(s for s in self.scores if (s.model, s.source, s.tau) == (name, source, tau))
-                    cells += [f"{100 * score.accuracy:.1f}", f"{score.tokens_per_forward:.2f}"]
-                lines.append(f"| {name} | {tau:g} | " + " | ".join(cells) + " |")
+        """Markdown, one row per (model, confidence, tau); `= base`: agreement with the base model."""
+        sources = [s for s in ("tasks", "chatterbot") if any(c.source == s for c in self.scores)]
+        head = ["model", "confidence", "tau"]
+        for source in sources:
+            head += [f"{source} tok/fwd"] + (["acc %"] if source == "tasks" else [])
+            head += ["= own tau 1 % (sim)", "= base % (sim)"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        rows = dict.fromkeys((s.model, s.confidence, s.tau) for s in self.scores)
+        for model, confidence, tau in rows:
+            cells = [model, confidence, f"{tau:g}"]
+            for source in sources:
+                score = next(
+                    (
+                        s
+                        for s in self.scores
+                        if (s.model, s.confidence, s.tau, s.source) == (model, confidence, tau, source)
+                    ),
+                    None,
+                )
+                if score is None:
+                    cells += [""] * (4 if source == "tasks" else 3)
+                    continue
+                cells.append(f"{score.tokens_per_forward:.2f}")
+                if source == "tasks":
+                    cells.append(_percent(score.accuracy))
+                cells.append(f"{_percent(score.self_exact)} ({_percent(score.self_similarity)})")
+                cells.append(f"{_percent(score.base_exact)} ({_percent(score.base_similarity)})")
+            lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.config).items()}
-        return {"config": config, "scores": [asdict(s) for s in self.scores]}
+
+def _percent(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.1f}"
 
 
 def similarity(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b).ratio()
-
-
-def _decode_all(model, tokenizer, prompts: list[list[int]], config: DecodeConfig, batch_size: int):
-    """Decoded texts and the pooled tokens per forward."""
-    results = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        results += decode_cached(model, chunk, tokenizer.mask_token_id, config, tokenizer.pad_token_id)
-    texts = [tokenizer.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
-    tokens_per_forward = sum(len(r.tokens) for r in results) / max(sum(r.forward_passes for r in results), 1)
-    return texts, tokens_per_forward
-
-
-def _score_model(name: str, path: str, config: EvalConfig) -> list[Score]:
-    model, tokenizer = models.load(path, device=config.device)
-    stops = models.stop_token_ids(model, tokenizer)
-    sets = {
-        "tasks": verifiable_tasks("heldout", count=config.tasks_limit),
-        "chatterbot": chatterbot_dialogs("heldout")[: config.dialogs_limit],
-    }
-    scores = []
-    for source, rows in sets.items():
-        if not rows:
-            continue
-        prompts = [chat_prompt_ids(tokenizer, r["messages"][:-1]) for r in rows]
-        runs = {}
-        for tau in sorted({1.0, *config.taus}, reverse=True):
-            decode = DecodeConfig(
-                tau=tau,
-                block_size=config.block_size,
-                max_new_tokens=config.max_new_tokens,
-                stop_token_ids=stops,
-            )
-            runs[tau] = _decode_all(model, tokenizer, prompts, decode, config.batch_size)
-        greedy = runs[1.0][0]
-        human = [r["messages"][-1]["content"] for r in rows]
-        for tau in config.taus:
-            texts, tpf = runs[tau]
-            if source == "tasks":
-                accuracy = _mean(t == r["answer"] for t, r in zip(texts, rows, strict=True))
-                scores.append(Score(name, source, tau, accuracy, tpf, accuracy, prompts=len(rows)))
-            else:
-                agree = _mean(t == g for t, g in zip(texts, greedy, strict=True))
-                close = _mean(similarity(t, g) for t, g in zip(texts, greedy, strict=True))
-                to_human = _mean(similarity(t, h) for t, h in zip(texts, human, strict=True))
-                scores.append(Score(name, source, tau, agree, tpf, close, to_human, prompts=len(rows)))
-    return scores
 
 
 def _mean(values) -> float:
@@ -139,44 +139,184 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+def agreement(texts: Sequence[str], references: Sequence[str]) -> tuple[float, float]:
+    """The fraction of texts equal to their reference, and the mean similarity to it."""
+    pairs = list(zip(texts, references, strict=True))
+    return _mean(a == b for a, b in pairs), _mean(similarity(a, b) for a, b in pairs)
+
+
+def heldout_sets(config: EvalConfig) -> dict[str, list[dict]]:
+    sets = {
+        "tasks": lambda: verifiable_tasks("heldout", count=config.tasks_limit),
+        "chatterbot": lambda: chatterbot_dialogs("heldout")[: config.dialogs_limit],
+    }
+    return {source: sets[source]() for source in config.sources}
+
+
+def acceptance_rates(results: Sequence[DecodeResult], width: int) -> list[float]:
+    """Per slot j < width: the fraction of token-producing forwards that accepted more than j tokens."""
+    counts = [n for r in results for n in r.accepted]
+    return [sum(n > j for n in counts) / max(len(counts), 1) for j in range(width)]
+
+
+class Decoded:
+    """One model's replies to one prompt set at one setting."""
+
+    def __init__(self, tokenizer, results: list[DecodeResult]) -> None:
+        self.results = results
+        self.texts = [tokenizer.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
+        tokens = sum(len(r.tokens) for r in results)
+        self.tokens_per_forward = tokens / max(sum(r.forward_passes for r in results), 1)
+
+
+class ModelUnderTest:
+    """A loaded model and the decoding its checkpoint asks for."""
+
+    def __init__(self, path: str, config: EvalConfig) -> None:
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        self.model, self.tokenizer = models.load(path, dtype=dtype, device=config.device)
+        self.base = DecodeConfig.for_model(
+            self.model,
+            self.tokenizer,
+            config.block_size,
+            allow_wider=config.allow_wider_window,
+            max_new_tokens=config.max_new_tokens,
+        )
+        self.batch_size = config.batch_size
+
+    def confidences(self, wanted: Sequence[Confidence]) -> list[Confidence]:
+        """The confidence modes that differ for this checkpoint (raw only, if it is not calibrated)."""
+        return [c for c in wanted if c == "raw" or self.base.slot_temperatures] or ["raw"]
+
+    def decode(self, prompts: list[list[int]], tau: float, confidence: Confidence) -> Decoded:
+        temperatures = self.base.slot_temperatures if confidence == "calibrated" else ()
+        config = DecodeConfig(**{**self.base.__dict__, "tau": tau, "slot_temperatures": temperatures})
+        tok = self.tokenizer
+        found = dict(
+            decode_continuous(
+                self.model, prompts, tok.mask_token_id, config, tok.pad_token_id, self.batch_size
+            )
+        )
+        return Decoded(tok, [found[i] for i in range(len(prompts))])
+
+    def greedy_mismatches(self, prompts: list[list[int]], results: list[DecodeResult]) -> int:
+        """How many replies differ from HF `generate(do_sample=False)` on the same weights."""
+        from mars_ray.bench import hf_greedy_tokens
+
+        mismatches = 0
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            expected = hf_greedy_tokens(
+                self.model,
+                chunk,
+                self.base.max_new_tokens,
+                self.base.stop_token_ids,
+                self.tokenizer.pad_token_id,
+            )
+            got = [r.tokens for r in results[start : start + len(chunk)]]
+            mismatches += sum(a != b for a, b in zip(expected, got, strict=True))
+        return mismatches
+
+
+def _score_model(
+    name: str,
+    under_test: ModelUnderTest,
+    taus: Sequence[float],
+    config: EvalConfig,
+    reference: dict[str, list[str]] | None,
+) -> tuple[list[Score], dict[str, list[str]]]:
+    """Every cell of one model; returns them and its own greedy replies per source."""
+    scores, greedy_texts = [], {}
+    for source, rows in heldout_sets(config).items():
+        prompts = [chat_prompt_ids(under_test.tokenizer, r["messages"][:-1]) for r in rows]
+        greedy = under_test.decode(prompts, 1.0, "raw")
+        greedy_texts[source] = greedy.texts
+        mismatches = under_test.greedy_mismatches(prompts, greedy.results) if config.check_greedy else None
+        for confidence in under_test.confidences(config.confidences):
+            for tau in taus:
+                run = greedy if tau >= 1.0 else under_test.decode(prompts, tau, confidence)
+                base = reference.get(source) if reference else None
+                self_exact, self_similarity = agreement(run.texts, greedy.texts)
+                score = Score(
+                    model=name,
+                    source=source,
+                    confidence=confidence,
+                    tau=tau,
+                    prompts=len(rows),
+                    tokens_per_forward=run.tokens_per_forward,
+                    acceptance=acceptance_rates(run.results, under_test.base.block_size),
+                    self_exact=self_exact,
+                    self_similarity=self_similarity,
+                    greedy_mismatches=mismatches if tau >= 1.0 else None,
+                )
+                if base is not None:
+                    score.base_exact, score.base_similarity = agreement(run.texts, base)
+                if source == "tasks":
+                    score.accuracy = _mean(t == r["answer"] for t, r in zip(run.texts, rows, strict=True))
+                else:
+                    human = [r["messages"][-1]["content"] for r in rows]
+                    score.human_similarity = agreement(run.texts, human)[1]
+                scores.append(score)
+                print(
+                    f"  {name} {source} {confidence} tau {tau:g}: {score.tokens_per_forward:.2f} tok/fwd",
+                    flush=True,
+                )
+    return scores, greedy_texts
+
+
 def evaluate(config: EvalConfig) -> EvalReport:
-    """Run the sweep; write JSON and the Pareto plot when asked."""
-    report = EvalReport(config)
-    named = [("mars", config.model)] + ([("ar-sft", config.baseline)] if config.baseline else [])
-    for name, path in named:
-        report.scores += _score_model(name, path, config)
+    """Run the sweep (the baseline first: its replies are the reference); write JSON and plot if asked."""
+    report = EvalReport(config=config)
+    reference = None
+    if config.baseline:
+        base_scores, reference = _score_model(
+            "base", ModelUnderTest(config.baseline, config), config.baseline_taus, config, None
+        )
+    mars_scores, _ = _score_model(
+        "mars", ModelUnderTest(config.model, config), config.taus, config, reference
+    )
+    if config.baseline:
+        for score in base_scores:  # the base against itself: its own replies are the reference
+            score.base_exact, score.base_similarity = score.self_exact, score.self_similarity
+    report.scores = mars_scores + (base_scores if config.baseline else [])
     if config.output:
         config.output.parent.mkdir(parents=True, exist_ok=True)
-        config.output.write_text(json.dumps(report.to_json(), indent=2))
+        config.output.write_text(report.model_dump_json(indent=2))
     if config.plot:
         plot_pareto(report, config.plot)
     return report
 
 
 def plot_pareto(report: EvalReport, path: Path) -> None:
-    """Tokens per forward (x) against accuracy (y), one line per model and source, tau annotated."""
+    """Tokens per forward (x) against quality (y): task accuracy, and dialog similarity to the base model's
+    reply (to the model's own greedy reply without a base), one line per model, source and confidence."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, source), marker in zip(
-        dict.fromkeys((s.model, s.source) for s in report.scores), "osd^vx", strict=False
-    ):
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    lines = dict.fromkeys((s.model, s.source, s.confidence) for s in report.scores)
+    for (name, source, confidence), marker in zip(lines, "osd^vx<>p*", strict=False):
         cells = sorted(
-            (s for s in report.scores if (s.model, s.source) == (name, source)), key=lambda s: -s.tau
+            (s for s in report.scores if (s.model, s.source, s.confidence) == (name, source, confidence)),
+            key=lambda s: -s.tau,
         )
+        if source == "tasks":
+            ys, what = [s.accuracy for s in cells], "accuracy"
+        elif cells[0].base_similarity is not None:
+            ys, what = [s.base_similarity for s in cells], "similarity to base"
+        else:
+            ys, what = [s.self_similarity for s in cells], "similarity to own tau 1"
         xs = [s.tokens_per_forward for s in cells]
-        ys = [100 * s.accuracy for s in cells]
-        ax.plot(xs, ys, marker=marker, label=f"{name} / {source}")
+        ax.plot(xs, [100 * y for y in ys], marker=marker, label=f"{name} / {source} {what} / {confidence}")
         for s, x, y in zip(cells, xs, ys, strict=True):
-            ax.annotate(f"{s.tau:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            ax.annotate(f"{s.tau:g}", (x, 100 * y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("accuracy (tasks: exact match; dialogs: agreement with greedy) %")
+    ax.set_ylabel("quality %")
     ax.set_title("MARS: quality against tokens per forward, tau annotated")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -185,34 +325,11 @@ def plot_pareto(report: EvalReport, path: Path) -> None:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "eval", help="tau sweep: accuracy and tokens per forward on held-out prompts"
+        "eval", help="tau sweep: tokens per forward and agreement with the base model on held-out prompts"
     )
-    parser.add_argument("--model", required=True, help="MARS checkpoint: folder, Hub id or preset")
-    parser.add_argument("--baseline", help="its AR-SFT control, evaluated the same way")
-    parser.add_argument("--taus", type=float, nargs="+", default=list(PAPER_TAUS))
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--tasks-limit", type=int, default=200)
-    parser.add_argument("--dialogs-limit", type=int, default=100)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output", type=Path, help="JSON report path")
-    parser.add_argument("--plot", type=Path, help="Pareto plot PNG path")
+    cli_args.add_config_arguments(parser, EvalConfig)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    config = EvalConfig(
-        model=args.model,
-        baseline=args.baseline,
-        taus=tuple(args.taus),
-        block_size=args.block_size,
-        tasks_limit=args.tasks_limit,
-        dialogs_limit=args.dialogs_limit,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        device=args.device,
-        output=args.output,
-        plot=args.plot,
-    )
-    print(evaluate(config).table())
+    print(evaluate(cli_args.config_from_args(EvalConfig, args)).table())

@@ -18,16 +18,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt", required=True, help="user message (chat template applied when present)")
     parser.add_argument("--tau", type=float, default=1.0, help="confidence threshold; 1.0 = exact greedy AR")
-    parser.add_argument("--block-size", type=int, default=4, help="window: tokens proposed per forward")
+    parser.add_argument(
+        "--block-size", type=int, help="window: tokens proposed per forward (default: the trained B)"
+    )
+    parser.add_argument(
+        "--allow-wider-window", action="store_true", help="allow a window wider than the trained B"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    config = DecodeConfig(tau=args.tau, block_size=args.block_size, max_new_tokens=args.max_new_tokens)
     model, tokenizer = models.load(args.model)
-    config = DecodeConfig(**{**config.__dict__, "stop_token_ids": models.stop_token_ids(model, tokenizer)})
+    config = DecodeConfig.for_model(
+        model,
+        tokenizer,
+        args.block_size,
+        allow_wider=args.allow_wider_window,
+        tau=args.tau,
+        max_new_tokens=args.max_new_tokens,
+    )
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
     result = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]

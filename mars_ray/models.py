@@ -151,11 +151,3 @@ def load(
     )
     prepare_for_mars(loaded, tokenizer)
     return loaded.to(device).eval(), tokenizer
-
-
-def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """EOS ids from the tokenizer and the generation config: where `generate` would stop."""
-    ids = {tokenizer.eos_token_id}
-    eos = model.generation_config.eos_token_id
-    ids.update(eos if isinstance(eos, list) else [eos])
-    return tuple(sorted(i for i in ids if i is not None))

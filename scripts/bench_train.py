@@ -7,30 +7,35 @@ Ray Train throughput with 1 and 2 workers. Prints markdown for BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import torch
 
 from mars_ray import data, models
+from mars_ray.core.objective import ScoredLM, collate_mars, mars_loss
 from mars_ray.train.config import TrainConfig
-from mars_ray.train.loop import Objective, accumulate_gradients
+from mars_ray.train.loop import Objective
 from mars_ray.train.run import run_training
 
 
-def step_seconds(model, objective: Objective, batch, repeats: int) -> float:
+def step_seconds(model, loss_of: Callable[[list], torch.Tensor], batch, repeats: int, autocast) -> float:
     """Median wall time of forward, backward and AdamW step on `batch` (after one warm-up step)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     times = []
     for _ in range(repeats + 1):
         began = time.perf_counter()
-        accumulate_gradients(model, objective, [batch], objective.normaliser(batch), 1, torch.device("cpu"))
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = loss_of(batch)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
@@ -38,6 +43,9 @@ def step_seconds(model, objective: Objective, batch, repeats: int) -> float:
 
 
 def bench_step(args: argparse.Namespace) -> list[str]:
+    """The AR SFT step, the MARS step as the paper's code computes it (the full `[noisy | clean]` sequence,
+    logits at every position) and the training loop's MARS step (scored noisy blocks and logits only),
+    interleaved per precision."""
     torch.set_num_threads(args.threads)
     model, tokenizer = models.load(args.model, dtype=torch.float32)
     model.train()
@@ -46,23 +54,38 @@ def bench_step(args: argparse.Namespace) -> list[str]:
     batch = data.tokenize_chats(rows, tokenizer, args.max_length, "tasks")[0]
     batch += data.tokenize_chats(dialogs, tokenizer, args.max_length, "chatterbot")[0]
     ids = (tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    seconds = {
-        stage: step_seconds(model, Objective(stage, args.block_size, 1.0, *ids), batch, args.repeats)
-        for stage in ("ar-sft", "mars")
+    scored = ScoredLM(model)
+    ar, mars = (Objective(stage, args.block_size, 1.0, *ids) for stage in ("ar-sft", "mars"))
+
+    def paper_layout(examples):
+        full = collate_mars(examples, args.block_size, *ids, compact=False)
+        logits = model(
+            input_ids=full.input_ids, position_ids=full.position_ids, attention_mask=full.attention_mask
+        ).logits
+        return mars_loss(logits[full.scored], full).total
+
+    steps = {
+        "ar-sft": lambda e: ar.loss_sums(scored, e, "cpu")["total"] / ar.normaliser(e),
+        "mars, paper layout": paper_layout,
+        "mars": lambda e: mars.loss_sums(scored, e, "cpu")["total"] / mars.normaliser(e),
     }
     tokens = sum(len(e.input_ids) for e in batch)
-    return [
-        f"Step time, one process, {args.threads} threads, fp32, `{args.model}`, batch {len(batch)} chats "
+    lines = [
+        f"Step time, one process, {args.threads} threads, `{args.model}`, batch {len(batch)} chats "
         f"(half tasks, half dialogs; {tokens} tokens, max_length {args.max_length}), B={args.block_size}, "
         f"median of {args.repeats}:",
         "",
-        "| stage | s/step | tokens/s | vs AR SFT |",
-        "|---|---|---|---|",
-        *(
-            f"| {stage} | {s:.3f} | {tokens / s:.0f} | {s / seconds['ar-sft']:.2f}x |"
-            for stage, s in seconds.items()
-        ),
+        "| precision | step | s/step | tokens/s | vs AR SFT |",
+        "|---|---|---|---|---|",
     ]
+    for precision in args.precisions:
+        autocast = torch.bfloat16 if precision == "bf16" else None
+        seconds = {name: step_seconds(model, f, batch, args.repeats, autocast) for name, f in steps.items()}
+        lines += [
+            f"| {precision} | {name} | {s:.3f} | {tokens / s:.0f} | {s / seconds['ar-sft']:.2f}x |"
+            for name, s in seconds.items()
+        ]
+    return lines
 
 
 def bench_workers(args: argparse.Namespace) -> list[str]:
@@ -118,6 +141,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=48)
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30, help="steps per Ray Train run")
     parser.add_argument("--skip-workers", action="store_true", help="only the step-time comparison")

@@ -13,8 +13,10 @@ from mars_ray.core.decoding import (
     accept_length,
     decode_block_cached,
     decode_cached,
+    decode_continuous,
     decode_reference,
 )
+from mars_ray.core.errors import ConfigError
 
 
 def hf_greedy(model, prompts, max_new_tokens, eos=EOS_ID):
@@ -216,3 +218,118 @@ def test_compaction_keeps_answers(tiny_llama):
         widths.append(decoder.cache.valid.shape[1])
     assert [s.tokens for s in states] == alone
     assert any(b < a for a, b in zip(widths, widths[1:], strict=False))  # the cache shrank at least once
+
+
+def test_continuous_decoding_equals_each_prompt_alone(tiny_llama):
+    """At most 4 rows at a time over 11 prompts: rows join a running batch in groups, results in order."""
+    prompts = random_prompts(11, seed=13)
+    config = DecodeConfig(tau=0.5, block_size=4, max_new_tokens=14, stop_token_ids=(EOS_ID,))
+    found = dict(decode_continuous(tiny_llama, prompts, MASK_ID, config, PAD_ID, max_batch=4))
+    assert sorted(found) == list(range(11))
+    for i, prompt in enumerate(prompts):
+        alone = decode_reference(tiny_llama, prompt, MASK_ID, config)
+        assert (found[i].tokens, found[i].accepted, found[i].forward_passes) == (
+            alone.tokens,
+            alone.accepted,
+            alone.forward_passes,
+        )
+
+
+class FakeTokenizer:
+    eos_token_id = EOS_ID
+
+
+def test_config_for_a_model_reads_its_checkpoint(tiny_llama):
+    model = build_tiny("llama")
+    model.generation_config.eos_token_id = [EOS_ID, 7]
+    default = DecodeConfig.for_model(model, FakeTokenizer(), tau=0.9)
+    assert default.block_size == 4 and default.stop_token_ids == (EOS_ID, 7) and default.tau == 0.9
+    model.config.mars_block_size = 8  # what training writes
+    assert DecodeConfig.for_model(model, FakeTokenizer()).block_size == 8
+    assert DecodeConfig.for_model(model, FakeTokenizer(), block_size=2).block_size == 2
+    with pytest.raises(ConfigError) as error:
+        DecodeConfig.for_model(model, FakeTokenizer(), block_size=16)
+    assert error.value.field == "block_size"
+    assert DecodeConfig.for_model(model, FakeTokenizer(), block_size=16, allow_wider=True).block_size == 16
+    model.config.mars_slot_temperatures = [1.0, 1.5, 2.0]
+    assert DecodeConfig.for_model(model, FakeTokenizer()).slot_temperatures == (1.0, 1.5, 2.0)
+    assert DecodeConfig.for_model(model, FakeTokenizer(), calibrated=False).slot_temperatures == ()
+
+
+def test_slot_temperatures_change_confidence_not_tokens(tiny_llama):
+    prompts = random_prompts(6, seed=14)
+
+    def run(tau, temperatures, decode=decode_cached):
+        config = DecodeConfig(tau=tau, max_new_tokens=20, slot_temperatures=temperatures)
+        return decode(tiny_llama, prompts, MASK_ID, config)
+
+    greedy = [r.tokens for r in run(1.0, ())]
+    for temperatures in ((1.0, 0.5, 0.5, 0.5), (1.0, 3.0, 3.0, 3.0)):
+        assert [r.tokens for r in run(1.0, temperatures)] == greedy
+        assert [r.tokens for r in run(1.0, temperatures, decode_block_cached)] == greedy
+    # a sharper slot is more confident (fewer forwards for the same budget), a softer one less
+    sharp, raw, soft = ((1.0, 0.5, 0.5, 0.5), (), (1.0, 3.0, 3.0, 3.0))
+    forwards = {t: sum(r.forward_passes for r in run(0.5, t)) for t in (sharp, raw, soft)}
+    assert forwards[sharp] < forwards[raw] < forwards[soft]
+    # the reference decoder reads the same calibrated confidences
+    config = DecodeConfig(tau=0.5, max_new_tokens=20, slot_temperatures=(1.0, 0.7, 1.3, 2.0))
+    assert [decode_reference(tiny_llama, p, MASK_ID, config).tokens for p in prompts] == [
+        r.tokens for r in decode_cached(tiny_llama, prompts, MASK_ID, config)
+    ]
+
+
+@pytest.mark.parametrize("tau", [0.9, 0.5, 0.1])
+def test_verified_decoding_is_exactly_greedy(tiny_model, tau):
+    """Whatever the masks propose, verification keeps exactly greedy AR: batch 1 and a ragged batch."""
+    prompts = random_prompts(10, seed=15)
+    stop = frequent_token(tiny_model, prompts)
+    expected = hf_greedy(tiny_model, prompts, 24, eos=stop)
+    config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=24, stop_token_ids=(stop,), verify=True)
+    alone = [decode_cached(tiny_model, [p], MASK_ID, config)[0] for p in prompts]
+    assert [r.tokens for r in alone] == expected
+    assert [r.tokens for r in decode_cached(tiny_model, prompts, MASK_ID, config)] == expected
+    found = dict(decode_continuous(tiny_model, prompts, MASK_ID, config, PAD_ID, max_batch=3))
+    assert [found[i].tokens for i in range(len(prompts))] == expected
+    drafted = sum(sum(r.drafted) for r in alone)
+    assert drafted > 0  # proposals were carried and checked
+    if tau <= 0.1:
+        assert all(sum(r.drafted) >= sum(r.accepted) - len(r.accepted) for r in alone)
+
+
+def test_verified_rows_share_a_batch_with_lossy_ones_and_join_mid_flight(tiny_llama):
+    prompts = random_prompts(6, seed=16)
+    configs = [
+        DecodeConfig(tau=t, block_size=w, max_new_tokens=18, verify=v)
+        for t, w, v in [
+            (0.3, 4, True),
+            (0.5, 4, False),
+            (0.6, 2, True),
+            (1.0, 4, True),
+            (0.2, 8, True),
+            (0.9, 4, False),
+        ]
+    ]
+    alone = [decode_cached(tiny_llama, [p], MASK_ID, c)[0] for p, c in zip(prompts, configs, strict=True)]
+    decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID)
+    states = [DecodeState(p, c) for p, c in zip(prompts, configs, strict=True)]
+    for s in states[:3]:
+        decoder.add(s)
+    decoder.step()
+    decoder.step()
+    for s in states[3:]:
+        decoder.add(s)
+    while decoder.seqs:
+        decoder.step()
+    assert [s.tokens for s in states] == [r.tokens for r in alone]
+    greedy = hf_greedy(tiny_llama, prompts, 18, eos=-1)
+    for state, expected in zip(states, greedy, strict=True):
+        if state.config.verify:
+            assert state.tokens == expected
+
+
+def test_verify_refuses_sampling_and_the_block_cache(tiny_llama):
+    with pytest.raises(ConfigError) as error:
+        DecodeConfig(verify=True, temperature=0.7)
+    assert error.value.field == "verify"
+    with pytest.raises(ConfigError):
+        decode_block_cached(tiny_llama, random_prompts(1), MASK_ID, DecodeConfig(verify=True, tau=0.5))

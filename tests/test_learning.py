@@ -7,7 +7,7 @@ import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny
 
 from mars_ray.core.decoding import DecodeConfig, decode_cached
-from mars_ray.core.objective import IGNORE, Example, collate_mars, mars_loss
+from mars_ray.core.objective import IGNORE, Example, ScoredLM, collate_mars, mars_loss
 
 SEP = 3
 WORDS = 40  # token ids 4..43 are "words"
@@ -33,10 +33,7 @@ def test_mars_loss_teaches_several_tokens_per_forward():
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(300):
         batch = collate_mars(train[(step * 16) % 4000 : (step * 16) % 4000 + 16], 4, MASK_ID, PAD_ID, EOS_ID)
-        logits = model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
-        ).logits
-        loss = mars_loss(logits, batch.labels)
+        loss = mars_loss(ScoredLM(model)(**batch.model_inputs()), batch)
         optimizer.zero_grad()
         loss.total.backward()
         optimizer.step()
@@ -70,3 +67,12 @@ def test_mars_loss_teaches_several_tokens_per_forward():
         )
     for row, result in zip(greedy[:, 9:].tolist(), exact, strict=True):
         assert result.tokens == (row[: row.index(EOS_ID) + 1] if EOS_ID in row else row)
+
+    # verified: exactly the greedy tokens, still several per forward
+    config = DecodeConfig(tau=0.9, block_size=4, max_new_tokens=12, stop_token_ids=(EOS_ID,), verify=True)
+    verified = decode_cached(model, held_out, MASK_ID, config)
+    assert [r.tokens for r in verified] == [r.tokens for r in exact]
+    tokens = sum(len(r.tokens) for r in verified)
+    forwards = sum(r.forward_passes for r in verified)
+    print(f"tokens per forward, verified at tau=0.9: {tokens / forwards:.2f}")
+    assert tokens / forwards > 1.3

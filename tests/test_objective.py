@@ -11,9 +11,12 @@ from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny
 from mars_ray.core.objective import (
     IGNORE,
     Example,
+    MarsBatch,
+    ScoredLM,
     ar_loss,
     collate_ar,
     collate_mars,
+    extend_to_block,
     mars_attention_mask,
     mars_loss,
 )
@@ -50,22 +53,44 @@ def example(prompt_len: int, response_len: int, seed: int) -> Example:
     return Example(ids, [IGNORE] * prompt_len + ids[prompt_len:])
 
 
-def test_collate_layout():
-    batch = collate_mars(
-        [example(3, 6, 0), example(5, 1, 1)], block_size=4, mask_id=MASK_ID, pad_id=PAD_ID, eos_id=EOS_ID
-    )
-    length = batch.labels.shape[1]
+def collate(examples, compact=True, **kwargs):
+    return collate_mars(examples, 4, MASK_ID, PAD_ID, EOS_ID, compact=compact, **kwargs)
+
+
+def test_full_layout():
+    batch = collate([example(3, 6, 0), example(5, 1, 1)], compact=False)
+    length = batch.noisy_width
     assert length % 4 == 0 and batch.input_ids.shape == (2, 2 * length)
     noisy, clean = batch.input_ids[:, :length], batch.input_ids[:, length:]
-    supervised = batch.labels != IGNORE
+    # each example is extended with supervised EOS to a block multiple (9 -> 12, 6 -> 8), then right padded
+    assert clean[0, 9:12].tolist() == [EOS_ID] * 3 and clean[1, 8:].tolist() == [PAD_ID] * 4
+    supervised = torch.tensor([[False] * 3 + [True] * 9, [False] * 5 + [True] * 3 + [False] * 4])
     assert torch.equal(noisy == MASK_ID, supervised)  # 100% of supervised tokens masked, nothing else
     assert torch.equal(noisy[~supervised], clean[~supervised])  # prompt and padding keep their real ids
     assert torch.equal(batch.position_ids[:, :length], batch.position_ids[:, length:])
     assert torch.equal(batch.position_ids[0, :length], torch.arange(length))
-    # each example is extended with supervised EOS to a block multiple (9 -> 12, 6 -> 8), then right padded
-    assert batch.labels[0, 9:12].tolist() == [EOS_ID] * 3 and clean[0, 9:12].tolist() == [EOS_ID] * 3
-    assert batch.labels[1, 6:8].tolist() == [EOS_ID] * 2
-    assert batch.labels[1, 8:].tolist() == [IGNORE] * 4 and clean[1, 8:].tolist() == [PAD_ID] * 4
+    # position p of either stream is scored against token p + 1 when that token is supervised
+    next_supervised = torch.cat([supervised[:, 1:], torch.zeros(2, 1, dtype=torch.bool)], dim=1)
+    assert torch.equal(batch.scored, torch.cat([next_supervised, next_supervised], dim=1))
+    assert torch.equal(batch.targets[:, length:][next_supervised], clean[:, 1:][supervised[:, 1:]])
+    assert batch.supervised.tolist() == [9, 3]
+    assert torch.equal(batch.attention_mask[0, 0], mars_attention_mask(length, 4))
+
+
+def test_compact_layout_keeps_only_scored_blocks():
+    """Prompt 9 + response 6 (-> 16 with EOS): blocks 0 and 1 hold no scored position; block 2 holds
+    position 8, the last prompt token, whose logits score the first response token; blocks 2-3 stay, in
+    order, and a row with fewer is padded."""
+    full = collate([example(9, 6, 0), example(2, 2, 1)], compact=False)
+    batch = collate([example(9, 6, 0), example(2, 2, 1)])
+    assert batch.noisy_width == 8 and full.noisy_width == 16
+    assert batch.position_ids[0, :8].tolist() == list(range(8, 16))
+    assert torch.equal(batch.input_ids[0, :8], full.input_ids[0, 8:16])
+    assert batch.position_ids[1, :4].tolist() == [0, 1, 2, 3]  # its one block, then 4 padding columns
+    assert batch.scored[1, 4:8].sum() == 0 and batch.input_ids[1, 4:8].tolist() == [PAD_ID] * 4
+    assert torch.equal(batch.input_ids[:, 8:], full.input_ids[:, 16:])  # the same clean stream
+    assert torch.equal(batch.supervised, full.supervised)
+    assert batch.scored.sum() == full.scored.sum()
 
 
 def test_collate_rejects_block_size_one():
@@ -83,8 +108,8 @@ def test_noisy_visibility_by_brute_force():
     """Perturb every input position; a noisy output changes if and only if that position is visible to it."""
     length, block = 12, 4
     model = build_tiny("llama")
-    batch = collate_mars([example(3, 9, 2)], block_size=block, mask_id=MASK_ID, pad_id=PAD_ID, eos_id=EOS_ID)
-    assert batch.labels.shape[1] == length
+    batch = collate([example(3, 9, 2)], compact=False)
+    assert batch.noisy_width == length
 
     def noisy_logits(ids):
         with torch.no_grad():
@@ -103,17 +128,16 @@ def test_noisy_visibility_by_brute_force():
                 assert bool(changed[p]) == ((stream, k) in visible(length, block, p)), (stream, k, p)
 
 
-def test_clean_stream_is_a_plain_causal_lm(tiny_model):
-    batch = collate_mars(
-        [example(3, 9, 3), example(4, 3, 4)], block_size=4, mask_id=MASK_ID, pad_id=PAD_ID, eos_id=EOS_ID
-    )
-    length = batch.labels.shape[1]
+@pytest.mark.parametrize("compact", [True, False])
+def test_clean_stream_is_a_plain_causal_lm(tiny_model, compact):
+    batch = collate([example(3, 9, 3), example(8, 3, 4)], compact=compact)
+    width = batch.noisy_width
     with torch.no_grad():
         joint = tiny_model(
             input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
         ).logits
-        plain = tiny_model(input_ids=batch.input_ids[:, length:]).logits
-    torch.testing.assert_close(joint[:, length:], plain, rtol=0, atol=1e-10)
+        plain = tiny_model(input_ids=batch.input_ids[:, width:]).logits
+    torch.testing.assert_close(joint[:, width:], plain, rtol=0, atol=1e-10)
 
 
 def log_softmax_at(row: list[float], index: int) -> float:
@@ -143,19 +167,70 @@ def test_loss_equals_hand_computation():
         noisy_parts.append(noisy / count)
         clean_parts.append(clean / count)
 
-    loss = mars_loss(logits, labels, ar_weight)
+    next_labels = torch.cat([labels[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
+    unused = torch.zeros(2, 2 * length, dtype=torch.long)
+    batch = MarsBatch(unused, unused, None, next_labels.repeat(1, 2), torch.tensor([2.0, 2.0]), length)
+    loss = mars_loss(logits[batch.scored], batch, ar_weight)
     assert loss.total.item() == pytest.approx(sum(per_seq) / 2, rel=1e-12)
     assert loss.noisy.item() == pytest.approx(sum(noisy_parts) / 2, rel=1e-12)
     assert loss.clean.item() == pytest.approx(sum(clean_parts) / 2, rel=1e-12)
 
 
+def reference_mars_loss(model, examples: list[Example], ar_weight: float) -> torch.Tensor:
+    """The objective as the paper's code computes it: the full [noisy (L) | clean (L)] sequence, logits at
+    every position, each stream right-shifted on its own, CE per sequence over its supervised labels."""
+    extended = [extend_to_block(e, 4, EOS_ID) for e in examples]
+    length = max(len(e.input_ids) for e in extended)
+    clean = torch.full((len(extended), length), PAD_ID)
+    labels = torch.full((len(extended), length), IGNORE)
+    for i, e in enumerate(extended):
+        clean[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+    noisy = torch.where(labels != IGNORE, MASK_ID, clean)
+    mask = mars_attention_mask(length, 4)[None, None].expand(len(extended), 1, -1, -1)
+    logits = model(
+        input_ids=torch.cat([noisy, clean], dim=1),
+        position_ids=torch.arange(length).repeat(2)[None].expand(len(extended), -1),
+        attention_mask=mask,
+    ).logits
+    total = 0.0
+    for half, weight in ((logits[:, :length], 1.0), (logits[:, length:], ar_weight)):
+        ce = torch.nn.functional.cross_entropy(
+            half[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE, reduction="none"
+        )
+        total = total + weight * ce.sum(dim=1) / (labels[:, 1:] != IGNORE).sum(dim=1)
+    return total.mean()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_compact_step_equals_the_full_objective(family):
+    """Dropped noisy blocks and logits only where scored: the same loss and gradients, fewer columns."""
+    examples = [example(9, 6, 10), example(2, 7, 11), example(13, 1, 12), example(5, 5, 13)]
+    model = build_tiny(family, sharpness=1.0)
+    want = reference_mars_loss(model, examples, ar_weight=0.7)
+    want.backward()
+    want_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    batch = collate(examples)
+    got = mars_loss(ScoredLM(model)(**batch.model_inputs()), batch, ar_weight=0.7)
+    got.total.backward()
+    assert got.total.item() == pytest.approx(want.item(), rel=1e-12)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter.grad, want_grads[name], rtol=1e-10, atol=1e-13)
+    assert batch.input_ids.shape[1] < collate(examples, compact=False).input_ids.shape[1]
+
+
 def test_ar_loss_matches_transformers(tiny_llama):
-    batch = collate_ar([example(3, 5, 5), example(2, 2, 6)], pad_id=PAD_ID)
+    examples = [example(3, 5, 5), example(2, 2, 6)]
+    batch = collate_ar(examples, pad_id=PAD_ID)
+    labels = torch.full(batch.input_ids.shape, IGNORE)
+    for i, e in enumerate(examples):
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
     with torch.no_grad():
-        out = tiny_llama(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
-    assert ar_loss(out.logits, batch.labels).item() == pytest.approx(
-        out.loss.item(), rel=1e-6
-    )  # HF upcasts to fp32
+        want = tiny_llama(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss
+        got = ar_loss(ScoredLM(tiny_llama)(**batch.model_inputs()), batch)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)  # HF upcasts to fp32
 
 
 @pytest.mark.slow
@@ -164,12 +239,10 @@ def test_flex_block_mask_equals_dense():
     dense = build_tiny("llama", dtype=torch.float32)
     flex = build_tiny("llama", dtype=torch.float32, attn_implementation="flex_attention")
     flex.load_state_dict(dense.state_dict())
-    examples = [example(3, 6, 7), example(5, 9, 8)]
-    a = collate_mars(examples, 4, MASK_ID, PAD_ID, EOS_ID)
-    b = collate_mars(examples, 4, MASK_ID, PAD_ID, EOS_ID, attention="flex")
+    examples = [example(3, 6, 7), example(9, 9, 8)]
+    a = collate(examples)
+    b = collate(examples, attention="flex")
     with torch.no_grad():
-        want = dense(
-            input_ids=a.input_ids, position_ids=a.position_ids, attention_mask=a.attention_mask
-        ).logits
-        got = flex(input_ids=b.input_ids, position_ids=b.position_ids, attention_mask=b.attention_mask).logits
+        want = ScoredLM(dense)(**a.model_inputs())
+        got = ScoredLM(flex)(**b.model_inputs())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

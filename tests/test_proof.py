@@ -8,6 +8,9 @@ import pytest
 
 from mars_ray import models
 from mars_ray.bench import BenchConfig, ForwardBenchConfig, bench_prompts, run_bench, run_forward_bench
+from mars_ray.calibrate import CalibrateConfig, calibrate
+from mars_ray.core.decoding import DecodeConfig
+from mars_ray.core.errors import ConfigError
 from mars_ray.evaluate import EvalConfig, evaluate
 
 
@@ -15,25 +18,32 @@ def test_eval_sweep_writes_json_and_plot(tmp_path):
     config = EvalConfig(
         model="tiny",
         baseline="tiny",
-        taus=(1.0, 0.5),
+        taus=[1.0, 0.5],
         tasks_limit=6,
         dialogs_limit=4,
         max_new_tokens=8,
+        check_greedy=True,
         output=tmp_path / "eval.json",
         plot=tmp_path / "pareto.png",
     )
     report = evaluate(config)
     saved = json.loads((tmp_path / "eval.json").read_text())
-    assert len(saved["scores"]) == 2 * 2 * 2  # models x sources x taus
-    greedy = next(s for s in report.scores if (s.model, s.source, s.tau) == ("mars", "chatterbot", 1.0))
-    assert greedy.accuracy == 1.0 and greedy.tokens_per_forward == 1.0  # tau = 1 agrees with itself
+    # mars: sources x taus (an uncalibrated model has raw confidences only); base: its greedy replies
+    assert len(saved["scores"]) == 2 * 2 + 2
+    cells = {(s.model, s.source, s.tau): s for s in report.scores}
+    greedy = cells["mars", "chatterbot", 1.0]
+    assert greedy.self_exact == 1.0 and greedy.tokens_per_forward == 1.0  # tau = 1 agrees with itself
+    assert greedy.base_exact == 1.0  # the base here is the same model: its greedy replies are the same
+    assert greedy.greedy_mismatches == 0  # and equal HF generate's, token for token
+    assert cells["mars", "tasks", 0.5].acceptance[0] == 1.0  # every forward accepts slot 0
+    assert cells["base", "tasks", 1.0].accuracy == cells["mars", "tasks", 1.0].accuracy
     assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| mars | 0.5 |" in report.table()
+    assert "| mars | raw | 0.5 |" in report.table()
 
 
 def test_eval_rejects_bad_taus():
     with pytest.raises(ValueError, match="taus"):
-        EvalConfig(model="tiny", taus=(1.5,))
+        EvalConfig(model="tiny", taus=[1.5])
 
 
 def test_bench_decode_measures_every_method(tmp_path):
@@ -55,6 +65,7 @@ def test_bench_decode_measures_every_method(tmp_path):
             assert m.ratio == 1.0 and m.tokens_per_forward <= 1.0
         if m.method == "ar-sliding":
             assert m.tokens_per_forward == 1.0  # tau = 1: one token per forward, nothing wasted on padding
+            assert m.same_as_greedy == 1.0  # and the same tokens as HF generate, row by row
     # at tau = 0.9 an untrained model accepts about one token per forward; the cached decoder never fewer
     cached = next(m for m in report.measurements if (m.method, m.batch) == ("mars-cached", 1))
     assert cached.tokens_per_forward >= 1.0
@@ -66,6 +77,17 @@ def test_bench_decode_measures_every_method(tmp_path):
         by_method = {m.method: m.tokens for m in report.measurements if m.batch == batch}
         assert by_method["engine"] == by_method["mars-cached"]
     assert json.loads((tmp_path / "b.json").read_text())["measurements"]
+
+
+def test_bench_decode_against_a_base_model(tmp_path):
+    config = BenchConfig(
+        model="tiny", baseline="tiny", prompts=2, max_new_tokens=6, batch_sizes=(1,), methods=("ar-sliding",)
+    )
+    rows = {m.method: m for m in run_bench(config).measurements}
+    assert set(rows) == {"ar-base", "ar-sliding"}
+    assert rows["ar-base"].ratio == 1.0 and rows["ar-sliding"].ratio_sliding == 1.0
+    assert rows["ar-base"].tokens == rows["ar-sliding"].tokens
+    assert "x base AR" in run_bench(config).table()
 
 
 def test_bench_rejects_unknown_method():
@@ -96,3 +118,38 @@ def test_bench_forward_times_every_window(tmp_path):
     assert len(json.loads((tmp_path / "f.json").read_text())["steps"]) == 4
     with pytest.raises(ValueError, match="windows"):
         ForwardBenchConfig(model="tiny", windows=(0,))
+
+
+def test_calibrate_fits_and_stores_slot_temperatures(tmp_path):
+    model, tokenizer = models.load("tiny")
+    model.config.mars_block_size = 4  # what training writes
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    report = calibrate(
+        CalibrateConfig(
+            model=str(tmp_path / "ckpt"),
+            tasks_limit=6,
+            dialogs_limit=4,
+            max_new_tokens=10,
+            plot=tmp_path / "r.png",
+        )
+    )
+    assert len(report.temperatures) == 4 and report.temperatures[0] == 1.0
+    assert set(report.splits) == {"calibration", "heldout"}
+    for stats in report.splits.values():
+        assert [s.slot for s in stats] == [1, 2, 3] and all(s.samples > 0 for s in stats)
+        assert all(0 <= s.ece_raw <= 1 and 0 <= s.ece_calibrated <= 1 for s in stats)
+        # the fit minimises a proper score on this split: it cannot be badly worse calibrated there
+    fitted = report.splits["calibration"]
+    assert sum(s.ece_calibrated for s in fitted) <= sum(s.ece_raw for s in fitted) + 0.05
+    reloaded, tokenizer = models.load(str(tmp_path / "ckpt"))
+    config = DecodeConfig.for_model(reloaded, tokenizer)
+    assert config.slot_temperatures == tuple(report.temperatures)
+    assert json.loads((tmp_path / "ckpt" / "calibration.json").read_text())["block_size"] == 4
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_calibrate_refuses_a_model_without_a_trained_block_size(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        calibrate(CalibrateConfig(model="tiny", write=False))
+    assert error.value.field == "model"

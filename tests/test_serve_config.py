@@ -33,7 +33,7 @@ def test_config_names_and_checks():
     for bad in [
         {"tau": 0},
         {"tau": 1.5},
-        {"block_size": 32},  # beyond max_block_size
+        {"block_size": 32, "max_block_size": 16},  # beyond max_block_size
         {"max_batch_size": 128},  # beyond max_ongoing_requests
         {"unknown": 1},
     ]:

@@ -95,11 +95,8 @@ def test_batched_requests_equal_each_alone_and_greedy_generate(tiny):
 
     served = asyncio.run(run())
     for prompt, param, (text, last) in zip(prompts, params, served, strict=True):
-        config = DecodeConfig(
-            tau=param.tau,
-            block_size=param.block_size,
-            max_new_tokens=param.max_tokens,
-            stop_token_ids=models.stop_token_ids(model, tokenizer),
+        config = DecodeConfig.for_model(
+            model, tokenizer, param.block_size, tau=param.tau, max_new_tokens=param.max_tokens
         )
         alone = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
         assert text == tokenizer.decode(alone.tokens, skip_special_tokens=True)

@@ -73,5 +73,5 @@ def test_sources_bundled_files_and_missing_messages(tmp_path):
         data.load_chats(str(no_messages))
     with pytest.raises(FileNotFoundError):
         data.load_chats("./does/not/exist.jsonl")
-    with pytest.raises(ValueError, match="splits train and heldout"):
+    with pytest.raises(ValueError, match="splits train, calibration, heldout"):
         data.load_chats("tasks", "test")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny, random_prompts
 
-from mars_ray.core.objective import IGNORE, Example, ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.core.objective import IGNORE, Example, ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train.loop import BatchSampler, Objective, accumulate_gradients, worker_micro_batches
 
 
@@ -62,17 +62,13 @@ def examples(count: int) -> list[Example]:
 def test_micro_steps_add_up_to_the_joined_batch(stage):
     objective = Objective(stage, 4, 0.5, MASK_ID, PAD_ID, EOS_ID)
     batch = examples(6)
-    model = build_tiny("llama", sharpness=1.0)
+    model = ScoredLM(build_tiny("llama", sharpness=1.0))
     if stage == "ar-sft":
         joined = collate_ar(batch, PAD_ID)
-        logits = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask).logits
-        expected = ar_loss(logits, joined.labels)
+        expected = ar_loss(model(**joined.model_inputs()), joined)
     else:
         joined = collate_mars(batch, 4, MASK_ID, PAD_ID, EOS_ID)
-        logits = model(
-            input_ids=joined.input_ids, position_ids=joined.position_ids, attention_mask=joined.attention_mask
-        ).logits
-        expected = mars_loss(logits, joined.labels, 0.5).total
+        expected = mars_loss(model(**joined.model_inputs()), joined, 0.5).total
     expected.backward()
     expected_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_ray import data, models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
-from mars_ray.core.objective import ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.loop import Objective, accumulate_gradients, sum_over_workers, worker_micro_batches
 from mars_ray.train.run import run_training
@@ -192,7 +192,7 @@ def one_ddp_step(loop_config: dict) -> None:
     batch = loop_config["batch"]
     for stage in ("ar-sft", "mars"):
         model, tokenizer = models.load("tiny", dtype=torch.float32)
-        ddp = ray.train.torch.prepare_model(model)
+        ddp = ray.train.torch.prepare_model(ScoredLM(model))
         objective = Objective(
             stage, 4, 1.0, tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id
         )
@@ -223,18 +223,12 @@ def test_ddp_step_equals_one_process_on_the_joined_batch(local_ray, tmp_path):
         model.zero_grad()
         if stage == "ar-sft":
             joined = collate_ar(batch, tokenizer.pad_token_id)
-            logits = model(input_ids=joined.input_ids, attention_mask=joined.attention_mask).logits
-            loss = ar_loss(logits, joined.labels)
+            loss = ar_loss(ScoredLM(model)(**joined.model_inputs()), joined)
         else:
             joined = collate_mars(
                 batch, 4, tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id
             )
-            logits = model(
-                input_ids=joined.input_ids,
-                position_ids=joined.position_ids,
-                attention_mask=joined.attention_mask,
-            ).logits
-            loss = mars_loss(logits, joined.labels).total
+            loss = mars_loss(ScoredLM(model)(**joined.model_inputs()), joined).total
         loss.backward()
         ddp = torch.load(tmp_path / f"{stage}.pt")
         assert ddp["losses"]["total"] == pytest.approx(loss.item(), rel=1e-5)

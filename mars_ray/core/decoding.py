@@ -16,25 +16,77 @@ which is greedy autoregressive decoding of the same weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from mars_ray.core.errors import ConfigError
+
+TRAINED_BLOCK_SIZE = "mars_block_size"  # the model config key where training records its B
+SLOT_TEMPERATURES = "mars_slot_temperatures"  # where calibration records a temperature per window slot
+DEFAULT_BLOCK_SIZE = 4  # the paper's B, for a model that does not record its own
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How one sequence is decoded. `block_size` is the window W of slots per forward (the training B)."""
+    """How one sequence is decoded. `block_size` is the window W of slots per forward (the training B).
+
+    `slot_temperatures[j]` divides slot j's logits before its confidence is read (greedy tokens do not
+    change): calibration fits them so that a confidence of c means the token agrees with greedy decoding
+    about c of the time. Empty: raw probabilities. Build one for a model with `for_model`.
+
+    `verify`: lossless. The masks' proposals are not output but carried, as real tokens, into the next
+    forward, which checks them against its own greedy predictions: the output is exactly greedy decoding
+    at any tau, and tau only decides which proposals are worth carrying (tau >= 1 carries none: plain AR).
+    Greedy only: the speculative-sampling rule for temperature > 0 is not built, so it is refused.
+    """
 
     tau: float = 1.0
-    block_size: int = 4
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_new_tokens: int = 256
     max_accept: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    slot_temperatures: tuple[float, ...] = ()
+    verify: bool = False
+
+    @classmethod
+    def for_model(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        block_size: int | None = None,
+        allow_wider: bool = False,
+        calibrated: bool = True,
+        **fields,
+    ) -> DecodeConfig:
+        """The config every caller builds for `model`: stops where `generate` would (EOS ids of the
+        tokenizer and the generation config), the window defaults to the B the checkpoint was trained
+        with, and the calibrated temperatures it carries are applied (unless `calibrated=False`).
+
+        A window wider than the trained B is refused unless `allow_wider`: its extra slots were never
+        trained and their confidences mean nothing.
+        """
+        trained = getattr(model.config, TRAINED_BLOCK_SIZE, None)
+        window = block_size or trained or DEFAULT_BLOCK_SIZE
+        if trained and window > trained and not allow_wider:
+            raise ConfigError(
+                "block_size",
+                f"{window} is wider than the B = {trained} this checkpoint was trained with"
+                " (allow a wider window explicitly to try it)",
+            )
+        temperatures = getattr(model.config, SLOT_TEMPERATURES, None) if calibrated else None
+        return cls(
+            block_size=window,
+            stop_token_ids=stop_token_ids(model, tokenizer),
+            slot_temperatures=tuple(temperatures or ()),
+            **fields,
+        )
 
     def __post_init__(self) -> None:
         checks = {
@@ -44,10 +96,15 @@ class DecodeConfig:
             "max_accept": self.max_accept is None or self.max_accept >= 1,
             "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
             "top_p": 0 < self.top_p <= 1,
+            "slot_temperatures": all(t > 0 and math.isfinite(t) for t in self.slot_temperatures),
         }
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"invalid {name}: {getattr(self, name)!r}")
+                raise ConfigError(name, f"invalid value {getattr(self, name)!r}")
+        if self.verify and self.temperature > 0:
+            raise ConfigError(
+                "verify", "verified decoding is greedy only: it cannot be asked with temperature > 0"
+            )
 
     @property
     def window(self) -> int:
@@ -57,12 +114,21 @@ class DecodeConfig:
         return min(self.block_size, self.max_accept or self.block_size)
 
 
+def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """EOS ids from the tokenizer and the generation config: where `generate` would stop."""
+    ids = {tokenizer.eos_token_id}
+    eos = model.generation_config.eos_token_id
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
 @dataclass
 class DecodeResult:
     tokens: list[int]  # generated ids, including the stop token that ended them
     forward_passes: int  # every forward this sequence took part in (prefill and extend passes included)
     accepted: list[int]  # tokens accepted at each forward that produced tokens
     finish_reason: str  # "stop" or "length"
+    drafted: list[int] = field(default_factory=list)  # verified decoding: proposals checked per forward
 
     @property
     def tokens_per_forward(self) -> float:
@@ -84,12 +150,18 @@ def accept_length(confidence: Sequence[float], tau: float, limit: int) -> int:
 
 @dataclass
 class DecodeState:
-    """One sequence being decoded: its prompt, config, output so far and counters."""
+    """One sequence being decoded: its prompt, config, output so far and counters.
+
+    `drafts` (verified decoding) are proposals carried into the next forward as real tokens, to be checked
+    there; `drafted[i]` is how many the forward that produced `accepted[i]` checked.
+    """
 
     prompt: list[int]
     config: DecodeConfig
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)
     forward_passes: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -108,33 +180,55 @@ class DecodeState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def room(self) -> int:
+        """Tokens it may still produce."""
+        return self.config.max_new_tokens - len(self.tokens)
+
     def take(self, proposed: Sequence[int], confidence: Sequence[float]) -> list[int]:
-        """Accept a prefix of the proposed window, apply stop conditions, return the committed tokens."""
+        """Accept the prefix of the proposed window that tau allows; return the committed tokens."""
         cfg = self.config
-        limit = min(len(proposed), cfg.max_accept or len(proposed), cfg.max_new_tokens - len(self.tokens))
-        new = list(proposed[: accept_length(confidence, cfg.tau, limit)])
+        limit = min(len(proposed), cfg.max_accept or len(proposed), self.room)
+        return self.commit(proposed[: accept_length(confidence, cfg.tau, limit)], drafted=0)
+
+    def commit(self, new: Sequence[int], drafted: int) -> list[int]:
+        """Append tokens up to the budget and the first stop token; return what was appended."""
+        new = list(new[: self.room])
         for i, token in enumerate(new):
-            if token in cfg.stop_token_ids:
+            if token in self.config.stop_token_ids:
                 new = new[: i + 1]
                 self.finish_reason = "stop"
                 break
         self.tokens += new
         self.accepted.append(len(new))
-        if not self.finished and len(self.tokens) >= cfg.max_new_tokens:
+        self.drafted.append(drafted)
+        if not self.finished and not self.room:
             self.finish_reason = "length"
         return new
 
     def result(self) -> DecodeResult:
         return DecodeResult(
-            list(self.tokens), self.forward_passes, list(self.accepted), self.finish_reason or ""
+            list(self.tokens),
+            self.forward_passes,
+            list(self.accepted),
+            self.finish_reason or "",
+            list(self.drafted),
         )
 
 
-def propose(logits: torch.Tensor, seqs: Sequence[DecodeState]) -> tuple[list[list[int]], list[list[float]]]:
-    """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V]."""
+def propose(
+    logits: torch.Tensor, seqs: Sequence[DecodeState], first_slot: Sequence[int] | None = None
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V].
+
+    A row's `slot_temperatures` scale its slots' logits before the probability is read; its window
+    starts at column `first_slot[row]` (default 0: the whole row is one window).
+    """
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    confidence, tokens = probs.max(dim=-1)
+    tokens = logits.argmax(dim=-1)
+    scale = _slot_scales(seqs, logits.shape[1], first_slot or [0] * len(seqs))
+    scaled = logits if scale is None else logits / scale.to(logits.device)[:, :, None]
+    confidence = torch.softmax(scaled, dim=-1).gather(-1, tokens[:, :, None])[:, :, 0]
     for i, seq in enumerate(seqs):
         cfg = seq.config
         if cfg.temperature <= 0:
@@ -147,6 +241,17 @@ def propose(logits: torch.Tensor, seqs: Sequence[DecodeState]) -> tuple[list[lis
         tokens[i] = choice.to(tokens.device)
         confidence[i] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
     return tokens.tolist(), confidence.tolist()
+
+
+def _slot_scales(seqs: Sequence[DecodeState], width: int, first_slot: Sequence[int]) -> torch.Tensor | None:
+    """[n, W] temperatures per row and column (1 outside a row's list), or None when every row is raw."""
+    if not any(seq.config.slot_temperatures for seq in seqs):
+        return None
+    scale = torch.ones(len(seqs), width)
+    for row, (seq, start) in enumerate(zip(seqs, first_slot, strict=True)):
+        temperatures = seq.config.slot_temperatures[: width - start]
+        scale[row, start : start + len(temperatures)] = torch.tensor(temperatures)
+    return scale
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -227,6 +332,16 @@ class RaggedCache:
         self.next_position = self.next_position + kept.sum(dim=1)
         return out.logits
 
+    def forget_last(self, counts: Sequence[int]) -> None:
+        """Turn each row's last `counts[r]` cached keys into holes (rejected proposals): never attended
+        again, and the row's next position is where the first of them was."""
+        if not any(counts):
+            return
+        counts_t = torch.tensor(list(counts), device=self.device)
+        from_end = self.valid.flip(1).to(torch.long).cumsum(dim=1).flip(1)  # valid keys at or after
+        self.valid &= ~(from_end <= counts_t[:, None])
+        self.next_position = self.next_position - counts_t
+
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (all holes)."""
         self.valid = torch.cat([self.valid, self.valid.new_zeros((count, self.valid.shape[1]))])
@@ -234,6 +349,24 @@ class RaggedCache:
         for layer in self._layers():
             layer.keys = torch.cat([layer.keys, layer.keys.new_zeros((count, *layer.keys.shape[1:]))])
             layer.values = torch.cat([layer.values, layer.values.new_zeros((count, *layer.values.shape[1:]))])
+
+    def take_rows(self, rows: Sequence[int], other: RaggedCache) -> None:
+        """Rows `rows` (empty until now) take the keys and values of `other`'s rows, in order; the time
+        axis grows on the left (holes) when `other` is longer."""
+        grow = other.valid.shape[1] - self.valid.shape[1]
+        if grow > 0:
+            self.valid = torch.cat([self.valid.new_zeros((self.valid.shape[0], grow)), self.valid], dim=1)
+            for layer in self._layers():
+                holes = layer.keys.new_zeros((*layer.keys.shape[:2], grow, layer.keys.shape[3]))
+                layer.keys = torch.cat([holes, layer.keys], dim=2)
+                layer.values = torch.cat([holes.clone(), layer.values], dim=2)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        width = other.valid.shape[1]
+        self.valid[index, -width:] = other.valid
+        self.next_position[index] = other.next_position
+        for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+            mine.keys[index, :, -width:] = theirs.keys
+            mine.values[index, :, -width:] = theirs.values
 
     def keep_rows(self, indices: Sequence[int]) -> None:
         """Keep only these rows (in this order); the others' keys and values are freed."""
@@ -258,26 +391,42 @@ class RaggedCache:
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
 
+def right_align(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows packed into one [n, longest] tensor with holes on the left; also which columns are real."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    real = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, tokens in enumerate(rows):
+        if tokens:
+            ids[row, width - len(tokens) :] = torch.tensor(list(tokens))
+            real[row, width - len(tokens) :] = True
+    return ids, real
+
+
 class SlidingDecoder:
     """Continuous multi-token decoding: every row accepts >= 1 token at every forward.
 
     A step feeds each row `[uncached tokens | W-1 masks]`, right-aligned (holes on the left), so the masks
     are always the last W-1 columns and one crop removes them from every row: no mask KV is ever kept.
-    The uncached tokens are last step's accepted ones, or the whole prompt of a row that just joined.
-    W is the widest window in the batch; a row at tau >= 1 only reads slot 0.
+    The uncached tokens are last step's accepted ones, or a joining row's prompt. W is the widest window
+    in the batch; a row at tau >= 1 only reads slot 0. Rows that join while others run are prefilled in a
+    forward of their own first (all but their prompt's last token), so the running rows' forward stays
+    one window wide instead of widening to the longest new prompt.
     """
 
     def __init__(self, model: PreTrainedModel, mask_id: int, pad_id: int = 0) -> None:
         self.model, self.mask_id, self.pad_id = model, mask_id, pad_id
         self.cache = RaggedCache(model)
         self.seqs: list[DecodeState] = []
-        self.uncached: list[list[int]] = []
+        self.uncached: list[list[int]] = []  # per row: its tokens not yet in the cache
+        self.joined: set[int] = set()  # id() of rows added since the last step
 
     def add(self, seq: DecodeState) -> None:
-        """Join at the next step; its prompt is prefilled inside that step."""
+        """Join at the next step."""
         self.seqs.append(seq)
         self.uncached.append(list(seq.prompt) + seq.tokens)
         self.cache.add_rows(1)
+        self.joined.add(id(seq))
 
     def remove(self, seqs: Sequence[DecodeState]) -> None:
         """Leave now, freeing their cache rows."""
@@ -285,32 +434,88 @@ class SlidingDecoder:
         keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
         self.seqs = [self.seqs[i] for i in keep]
         self.uncached = [self.uncached[i] for i in keep]
+        self.joined -= gone
         self.cache.keep_rows(keep)
 
     @torch.inference_mode()
     def step(self) -> list[list[int]]:
-        """One forward for every row; returns each row's newly accepted tokens (finished rows then leave)."""
+        """One decode forward for every row; returns each row's newly accepted tokens (finished rows then
+        leave)."""
+        self._prefill_joined()
+        tokens, confidence, anchor = self._propose()
+        accepted = self._accept(tokens, confidence, anchor)
+        self._advance(accepted)
+        return accepted
+
+    def _prefill_joined(self) -> None:
+        """Cache the prompts of rows that joined a running batch, but for each prompt's last token, which
+        the decode forward then feeds like any row's last accepted token."""
+        rows = [r for r, s in enumerate(self.seqs) if id(s) in self.joined and len(self.uncached[r]) > 1]
+        running = len(self.joined) < len(self.seqs)
+        self.joined.clear()
+        if not rows or not running:
+            return  # nobody to keep waiting: the decode forward prefills them itself
+        ids, real = right_align([self.uncached[r][:-1] for r in rows], self.pad_id)
+        side = RaggedCache(self.model)
+        side.add_rows(len(rows))
+        side.forward(ids.to(self.cache.device), real.to(self.cache.device), ids.shape[1], 1)
+        self.cache.take_rows(rows, side)
+        for r in rows:
+            self.uncached[r] = self.uncached[r][-1:]
+
+    def _propose(self) -> tuple[list[list[int]], list[list[float]], int]:
+        """Forward every row's `[uncached | drafts | masks]`, right-aligned: the greedy token and the
+        confidence at each of the last columns, and the column of every row's last real token (its slot 0;
+        its drafts' predictions come just before, its masks' slots just after)."""
         window = max(s.config.window for s in self.seqs)
-        longest = max(len(u) for u in self.uncached)
-        ids = torch.full((len(self.seqs), longest + window - 1), self.pad_id, dtype=torch.long)
-        real = torch.zeros(ids.shape, dtype=torch.bool)
-        ids[:, longest:] = self.mask_id
-        real[:, longest:] = True
-        for row, tokens in enumerate(self.uncached):
-            ids[row, longest - len(tokens) : longest] = torch.tensor(tokens)
-            real[row, longest - len(tokens) : longest] = True
-        logits = self.cache.forward(ids.to(self.cache.device), real.to(self.cache.device), longest, window)
-        tokens, confidence = propose(logits, self.seqs)
-        accepted = []
+        masks = [self.mask_id] * (window - 1)
+        rows = [u + s.drafts + masks for u, s in zip(self.uncached, self.seqs, strict=True)]
+        ids, real = right_align(rows, self.pad_id)
+        keep = ids.shape[1] - (window - 1)  # the masks' keys and values are dropped
+        anchor = max(len(s.drafts) for s in self.seqs)
+        device = self.cache.device
+        logits = self.cache.forward(ids.to(device), real.to(device), keep, anchor + window)
+        tokens, confidence = propose(logits, self.seqs, first_slot=[anchor] * len(self.seqs))
+        return tokens, confidence, anchor
+
+    def _accept(self, tokens: list[list[int]], confidence: list[list[float]], anchor: int) -> list[list[int]]:
+        """Each row commits its tokens: the window prefix its tau accepts, or (verify) the longest run of
+        drafts that greedy decoding agrees with plus the greedy token after it. Rejected drafts become
+        holes in the cache; a verifying row whose drafts all held carries its masks' confident proposals."""
+        accepted, rejected = [], []
         for row, seq in enumerate(self.seqs):
             seq.forward_passes += 1
-            w = seq.config.window
-            self.uncached[row] = seq.take(tokens[row][:w], confidence[row][:w])
-            accepted.append(self.uncached[row])
+            window = slice(anchor, anchor + seq.config.window)
+            if not seq.config.verify:
+                accepted.append(seq.take(tokens[row][window], confidence[row][window]))
+                rejected.append(0)
+                continue
+            drafts = seq.drafts
+            greedy = tokens[row][anchor - len(drafts) : anchor + 1]  # after the last token and each draft
+            held = next(
+                (i for i, (d, g) in enumerate(zip(drafts, greedy, strict=False)) if d != g), len(drafts)
+            )
+            accepted.append(seq.commit(greedy[: held + 1], drafted=len(drafts)))
+            rejected.append(len(drafts) - held)
+            seq.drafts = []
+            if held == len(drafts) and not seq.finished:
+                carry = accept_length(
+                    confidence[row][window], seq.config.tau, min(seq.config.window, seq.room)
+                )
+                seq.drafts = tokens[row][window][1:carry]
+        self.cache.forget_last(rejected)
+        return accepted
+
+    def _advance(self, accepted: list[list[int]]) -> None:
+        """What the next forward must feed: a row's accepted tokens, less the drafts already cached (a
+        verifying row's accepted drafts were fed as real tokens); finished rows leave."""
+        self.uncached = [
+            list(tokens[-1:] if seq.config.verify else tokens)
+            for tokens, seq in zip(accepted, self.seqs, strict=True)
+        ]
         finished = [s for s in self.seqs if s.finished]
         if finished:
             self.remove(finished)
-        return accepted
 
 
 def decode_cached(
@@ -329,6 +534,34 @@ def decode_cached(
     while decoder.seqs:
         decoder.step()
     return [s.result() for s in seqs]
+
+
+def decode_continuous(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    mask_id: int,
+    config: DecodeConfig,
+    pad_id: int = 0,
+    max_batch: int = 16,
+) -> Iterator[tuple[int, DecodeResult]]:
+    """Decode many prompts, at most `max_batch` rows at a time: a row that finishes leaves, and once a
+    quarter of the rows are free the next prompts join together (one prefill forward for all of them).
+    Yields `(index, result)` as each prompt finishes."""
+    waiting = deque(enumerate(prompts))
+    decoder = SlidingDecoder(model, mask_id, pad_id)
+    index_of: dict[int, int] = {}
+    while waiting or decoder.seqs:
+        free = max_batch - len(decoder.seqs)
+        for _ in range(min(len(waiting), free) if free >= max(1, max_batch // 4) else 0):
+            index, prompt = waiting.popleft()
+            seq = DecodeState(list(prompt), config)
+            index_of[id(seq)] = index
+            decoder.add(seq)
+        running = list(decoder.seqs)
+        decoder.step()
+        for seq in running:
+            if seq.finished:
+                yield index_of.pop(id(seq)), seq.result()
 
 
 @torch.inference_mode()
@@ -353,19 +586,16 @@ def decode_block_cached(
     the rest of the block, capped by `max_accept`.
     """
     configs = [config] * len(prompts) if isinstance(config, DecodeConfig) else list(config)
+    if any(c.verify for c in configs):
+        raise ConfigError("verify", "the block-cached decoder does not verify; use the sliding decoder")
     seqs = [DecodeState(list(p), c) for p, c in zip(prompts, configs, strict=True)]
     live = list(seqs)
     cache = RaggedCache(model)
     cache.add_rows(len(live))
     device = cache.device
 
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(live), longest), pad_id, dtype=torch.long)
-    real = torch.zeros(ids.shape, dtype=torch.bool)
-    for row, seq in enumerate(live):
-        ids[row, longest - len(seq.prompt) :] = torch.tensor(seq.prompt)
-        real[row, longest - len(seq.prompt) :] = True
-    last = cache.forward(ids.to(device), real.to(device), longest, 1)[:, -1]  # slot-0 logits of block 1
+    ids, real = right_align([seq.prompt for seq in live], pad_id)
+    last = cache.forward(ids.to(device), real.to(device), ids.shape[1], 1)[:, -1]  # slot-0 logits of block 1
     for seq in live:
         seq.forward_passes += 1
 
@@ -386,7 +616,7 @@ def decode_block_cached(
         for seq in live:
             seq.forward_passes += 1
         slots = torch.cat([last[:, None], logits[:, :-1]], dim=1)
-        tokens, confidence = propose(slots, live)
+        tokens, confidence = propose(slots, live, first_slot=filled)
         for row, seq in enumerate(live):
             start = filled[row]
             if start == cache_block:

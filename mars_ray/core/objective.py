@@ -1,14 +1,21 @@
 """The MARS training objective: a `[noisy | clean]` batch, its attention mask, and the two-part loss.
 
 Layout follows the reference code (the paper writes `[clean; noisy]`; with an explicit mask and explicit
-position ids the order is immaterial). Both streams have length L and positions 0..L-1. The noisy stream is
-the clean one with every supervised token (label != -100) replaced by the mask id: 100% of the response,
-no random ratio. Block of position p is p // B.
+position ids the order is immaterial). The clean stream is the chat, positions 0..L-1. The noisy stream is
+the same chat with every supervised token (label != -100) replaced by the mask id: 100% of the response,
+no random ratio; each noisy token carries the position of the clean token it stands for. Block of
+position p is p // B.
 
     clean -> clean : k <= q                           (plain causal LM)
     noisy -> noisy : blk(k) == blk(q) and k <= q      (causal inside a block, unlike BD3LM)
     noisy -> clean : blk(k) <  blk(q)                 (strictly earlier blocks only)
     clean -> noisy : never
+
+Every position's logits score the next token of its own stream (label p + 1 at position p): the
+reference code's right shift, applied per stream. A noisy block none of whose positions is scored (the
+prompt's blocks, most of a chat) has no loss, and no other noisy block attends to it, so by default the
+noisy stream holds only the scored blocks: the same loss and gradients for less compute. The paper's full
+layout (`compact=False`, noisy stream of length L) is kept as the reference the compact one is tested on.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 IGNORE = -100
 
@@ -32,34 +40,56 @@ class Example:
 
 
 @dataclass
-class MarsBatch:
-    """Model inputs for one MARS step; `labels` index the clean stream, shape [b, L]."""
+class ScoredBatch:
+    """Model inputs for one step; `targets[r, c]` is the token column c's logits are scored against
+    (the next token of its stream; IGNORE: not scored)."""
 
-    input_ids: torch.Tensor  # [b, 2L]: noisy | clean
-    position_ids: torch.Tensor  # [b, 2L]: 0..L-1 twice
-    attention_mask: torch.Tensor | object  # [b, 1, 2L, 2L] bool, or a flex-attention BlockMask
-    labels: torch.Tensor  # [b, L]
+    input_ids: torch.Tensor  # [b, T]
+    position_ids: torch.Tensor  # [b, T]
+    attention_mask: torch.Tensor | object  # 2D padding mask, 4D bool mask or a flex-attention BlockMask
+    targets: torch.Tensor  # [b, T]
 
-    def to(self, device: torch.device | str) -> MarsBatch:
-        mask = self.attention_mask
-        return MarsBatch(
-            self.input_ids.to(device),
-            self.position_ids.to(device),
-            mask.to(device),
-            self.labels.to(device),
-        )
+    @property
+    def scored(self) -> torch.Tensor:
+        """[b, T] bool: the columns whose logits the loss reads."""
+        return self.targets != IGNORE
+
+    def model_inputs(self) -> dict:
+        """What `ScoredLM` takes."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": self.attention_mask,
+            "scored": self.scored,
+        }
 
 
 @dataclass
-class ArBatch:
-    """Model inputs for one plain next-token (AR SFT) step, right padded."""
-
-    input_ids: torch.Tensor  # [b, L]
-    attention_mask: torch.Tensor  # [b, L] 1 for real tokens
-    labels: torch.Tensor  # [b, L], unshifted
+class ArBatch(ScoredBatch):
+    """One plain next-token (AR SFT) step, right padded: T = L, positions 0..L-1, a [b, L] padding mask."""
 
     def to(self, device: torch.device | str) -> ArBatch:
-        return ArBatch(self.input_ids.to(device), self.attention_mask.to(device), self.labels.to(device))
+        tensors = (self.input_ids, self.position_ids, self.attention_mask, self.targets)
+        return ArBatch(*(t.to(device) for t in tensors))
+
+
+@dataclass
+class MarsBatch(ScoredBatch):
+    """One MARS step: T = N + L, `noisy_width` (N) noisy columns, then the clean stream of length L.
+    `supervised[r]` is the number of supervised tokens of row r, the loss's per-sequence normaliser."""
+
+    supervised: torch.Tensor  # [b]
+    noisy_width: int
+
+    def to(self, device: torch.device | str) -> MarsBatch:
+        return MarsBatch(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            self.attention_mask.to(device),
+            self.targets.to(device),
+            self.supervised.to(device),
+            self.noisy_width,
+        )
 
 
 @dataclass
@@ -77,33 +107,20 @@ def extend_to_block(example: Example, block_size: int, eos_id: int) -> Example:
     return Example(example.input_ids + [eos_id] * extra, example.labels + [eos_id] * extra)
 
 
+def _visible(q_pos, k_pos, q_noisy, k_noisy, block_size: int):
+    """The mask rules above, elementwise (True = may attend); works on broadcast tensors and in flex."""
+    q_block, k_block = q_pos // block_size, k_pos // block_size
+    noisy_noisy = q_noisy & k_noisy & (q_block == k_block) & (k_pos <= q_pos)
+    noisy_clean = q_noisy & ~k_noisy & (k_block < q_block)
+    clean_clean = ~q_noisy & ~k_noisy & (k_pos <= q_pos)
+    return noisy_noisy | noisy_clean | clean_clean
+
+
 def mars_attention_mask(length: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The [2L, 2L] boolean mask (True = may attend) over `[noisy (L) | clean (L)]`."""
-    pos = torch.arange(length, device=device)
-    q, k = pos[:, None], pos[None, :]
-    causal = k <= q
-    same_block = (q // block_size) == (k // block_size)
-    earlier_block = (k // block_size) < (q // block_size)
-    top = torch.cat([same_block & causal, earlier_block], dim=1)  # noisy queries
-    bottom = torch.cat([torch.zeros_like(causal), causal], dim=1)  # clean queries
-    return torch.cat([top, bottom], dim=0)
-
-
-def mars_block_mask(length: int, block_size: int, device: torch.device | str):
-    """The same mask as a flex-attention BlockMask: no [2L, 2L] tensor, sparse blocks skipped (GPU path)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        q_noisy, k_noisy = q_idx < length, kv_idx < length
-        q, k = q_idx % length, kv_idx % length
-        qb, kb = q // block_size, k // block_size
-        noisy_noisy = q_noisy & k_noisy & (qb == kb) & (k <= q)
-        noisy_clean = q_noisy & ~k_noisy & (kb < qb)
-        clean_clean = ~q_noisy & ~k_noisy & (k <= q)
-        return noisy_noisy | noisy_clean | clean_clean
-
-    n = 2 * length
-    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
+    """The paper's full [2L, 2L] boolean mask over `[noisy (L) | clean (L)]`."""
+    pos = torch.arange(length, device=device).repeat(2)
+    noisy = torch.arange(2 * length, device=device) < length
+    return _visible(pos[:, None], pos[None, :], noisy[:, None], noisy[None, :], block_size)
 
 
 def collate_mars(
@@ -114,69 +131,129 @@ def collate_mars(
     eos_id: int,
     attention: Literal["dense", "flex"] = "dense",
     device: torch.device | str = "cpu",
+    compact: bool = True,
 ) -> MarsBatch:
     """Extend each example to a block multiple, right-pad to the batch, and build `[noisy | clean]`.
 
-    `attention="flex"` builds a BlockMask on `device` (it has no CPU backward); "dense" a broadcast bool mask.
+    `compact` keeps only the noisy blocks that hold a scored position (right-padded per row; a padding
+    column is given a block past the end, so no real query sees it); `compact=False` is the full layout.
+    `attention="flex"` builds a BlockMask on `device` (it has no CPU backward); "dense" a bool mask.
     """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     extended = [extend_to_block(e, block_size, eos_id) for e in examples]
-    length = max(len(e.input_ids) for e in extended)
-    clean = torch.full((len(extended), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(extended), length), IGNORE, dtype=torch.long)
+    rows, length = len(extended), max(len(e.input_ids) for e in extended)
+    clean = torch.full((rows, length), pad_id, dtype=torch.long)
+    labels = torch.full((rows, length), IGNORE, dtype=torch.long)
     for i, e in enumerate(extended):
         clean[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
         labels[i, : len(e.labels)] = torch.tensor(e.labels)
-    noisy = torch.where(labels != IGNORE, torch.full_like(clean, mask_id), clean)
-    positions = torch.arange(length).repeat(2).expand(len(extended), -1)
-    if attention == "flex":
-        mask = mars_block_mask(length, block_size, device)
+    next_label = torch.cat([labels[:, 1:], torch.full((rows, 1), IGNORE)], dim=1)  # what position p scores
+    noisy_ids = torch.where(labels != IGNORE, torch.full_like(clean, mask_id), clean)
+
+    positions = torch.arange(length)
+    if compact:
+        scored_block = (next_label != IGNORE).view(rows, -1, block_size).any(dim=2)
+        keep = scored_block.repeat_interleave(block_size, dim=1)  # [b, L]
     else:
-        mask = mars_attention_mask(length, block_size)[None, None].expand(len(extended), 1, -1, -1)
-    return MarsBatch(torch.cat([noisy, clean], dim=1), positions, mask, labels)
+        keep = torch.ones((rows, length), dtype=torch.bool)
+    width = int(keep.sum(dim=1).max())
+    # Kept positions first, in order (a stable sort), then padding columns.
+    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    kept = keep.gather(1, order)
+    sentinel = length + block_size  # a block past every real one
+    noisy_pos = torch.where(kept, order, torch.full_like(order, sentinel))
+    noisy_targets = torch.where(kept, next_label.gather(1, order), torch.full_like(order, IGNORE))
+    noisy_input = torch.where(kept, noisy_ids.gather(1, order), torch.full_like(order, pad_id))
+
+    mask_pos = torch.cat([noisy_pos, positions.expand(rows, -1)], dim=1)  # [b, N + L]
+    is_noisy = torch.arange(width + length) < width
+    if attention == "flex":
+        mask = _flex_mask(mask_pos.to(device), width, block_size, device)
+    else:
+        mask = _visible(
+            mask_pos[:, :, None], mask_pos[:, None, :], is_noisy[:, None], is_noisy[None, :], block_size
+        )[:, None]
+    return MarsBatch(
+        input_ids=torch.cat([noisy_input, clean], dim=1),
+        position_ids=torch.where(mask_pos == sentinel, 0, mask_pos),
+        attention_mask=mask,
+        targets=torch.cat([noisy_targets, next_label], dim=1),
+        supervised=(next_label != IGNORE).sum(dim=1).float(),
+        noisy_width=width,
+    )
+
+
+def _flex_mask(mask_pos: torch.Tensor, width: int, block_size: int, device: torch.device | str):
+    """The same mask as a flex-attention BlockMask: no dense tensor, sparse blocks skipped (GPU path)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return _visible(mask_pos[b, q_idx], mask_pos[b, kv_idx], q_idx < width, kv_idx < width, block_size)
+
+    n = mask_pos.shape[1]
+    return create_block_mask(mask_mod, B=mask_pos.shape[0], H=None, Q_LEN=n, KV_LEN=n, device=device)
 
 
 def collate_ar(examples: Sequence[Example], pad_id: int) -> ArBatch:
     """Right-pad examples for plain next-token training."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
+    targets = torch.full((len(examples), length), IGNORE, dtype=torch.long)
     attention = torch.zeros((len(examples), length), dtype=torch.long)
     for i, e in enumerate(examples):
         ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
-        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        targets[i, : len(e.labels) - 1] = torch.tensor(e.labels[1:])
         attention[i, : len(e.input_ids)] = 1
-    return ArBatch(ids, attention, labels)
+    positions = torch.arange(length).expand(len(examples), -1)
+    return ArBatch(ids, positions, attention, targets)
 
 
-def _shifted_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token CE [b, L-1] of label i scored from position i-1; zero where ignored."""
-    vocab = logits.shape[-1]
-    at_least_fp32 = torch.promote_types(logits.dtype, torch.float32)
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, vocab).to(at_least_fp32),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE,
-        reduction="none",
-    ).view(labels.shape[0], -1)
+class ScoredLM(nn.Module):
+    """A causal LM that projects to the vocabulary only at the positions a loss scores.
+
+    The vocabulary projection is a large part of a small model's step (SmolLM2: 28M of 135M parameters,
+    at every position); a MARS batch scores only its response tokens. Wrap the model in this (then in
+    DDP), call it with `**batch.model_inputs()` of a `MarsBatch` or an `ArBatch`, get logits
+    [scored positions, V] in row-major order.
+    """
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        config = lm.config
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+            raise ValueError(f"{config.model_type}: logit softcapping or scaling is not supported")
+
+    def forward(self, input_ids, position_ids, attention_mask, scored) -> torch.Tensor:
+        """Tensors of a `MarsBatch` or `ArBatch` (`batch.model_inputs()`), so that DDP sees them."""
+        hidden = self.lm.base_model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask
+        ).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden[scored])
 
 
-def mars_loss(logits: torch.Tensor, labels: torch.Tensor, ar_weight: float = 1.0) -> MarsLoss:
+def mars_loss(logits: torch.Tensor, batch: MarsBatch, ar_weight: float = 1.0) -> MarsLoss:
     """Noisy CE + `ar_weight` x clean CE, averaged per sequence, then over the batch.
 
-    Each stream is right-shifted on its own (label i from position i-1 of the same stream). The reference
-    code shifts the joined 2L sequence, which only differs at clean position 0, whose label is always -100.
+    `logits` [K, V] are the scored columns' (`batch.scored`, row-major), as `ScoredLM` returns them.
     """
-    length = labels.shape[1]
-    supervised = (labels[:, 1:] != IGNORE).float()
-    per_seq = supervised.sum(dim=1).clamp(min=1.0)
-    noisy = (_shifted_token_ce(logits[:, :length], labels).sum(dim=1) / per_seq).mean()
-    clean = (_shifted_token_ce(logits[:, length:], labels).sum(dim=1) / per_seq).mean()
-    return MarsLoss(noisy + ar_weight * clean, noisy.detach(), clean.detach())
+    scored = batch.scored
+    rows, columns = scored.nonzero().unbind(dim=1)
+    noisy = columns < batch.noisy_width
+    at_least_fp32 = torch.promote_types(logits.dtype, torch.float32)
+    ce = F.cross_entropy(logits.to(at_least_fp32), batch.targets[scored], reduction="none")
+    weight = 1.0 / (batch.supervised.to(ce.dtype).clamp(min=1.0)[rows] * len(batch.supervised))
+    noisy_loss = (ce * weight * noisy).sum()
+    clean_loss = (ce * weight * ~noisy).sum()
+    return MarsLoss(noisy_loss + ar_weight * clean_loss, noisy_loss.detach(), clean_loss.detach())
 
 
-def ar_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Plain shifted CE averaged over supervised tokens of the batch, as HF's causal-LM loss (stage 1)."""
-    ce = _shifted_token_ce(logits, labels)
-    return ce.sum() / (labels[:, 1:] != IGNORE).sum().clamp(min=1)
+def ar_loss(logits: torch.Tensor, batch: ArBatch) -> torch.Tensor:
+    """Next-token CE averaged over the batch's supervised tokens, as HF's causal-LM loss (stage 1).
+
+    `logits` [K, V] are the scored positions', as `ScoredLM` returns them.
+    """
+    at_least_fp32 = torch.promote_types(logits.dtype, torch.float32)
+    targets = batch.targets[batch.scored]
+    return F.cross_entropy(logits.to(at_least_fp32), targets, reduction="sum") / max(len(targets), 1)

@@ -19,7 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tau", type=float, default=1.0, help="operating tau for requests without their own")
-    parser.add_argument("--block-size", type=int, default=4, help="window for requests without their own")
+    parser.add_argument(
+        "--block-size", type=int, help="window for requests without their own (default: the trained B)"
+    )
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--num-replicas", type=int, default=1)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved per replica")

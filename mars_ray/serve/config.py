@@ -42,8 +42,15 @@ class ModelConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
-    block_size: int = Field(4, ge=1, description="window for requests that do not set their own")
-    max_block_size: int = Field(16, ge=1, description="largest window a request may ask for")
+    block_size: int | None = Field(
+        None, ge=1, description="window for requests that do not set their own; default: the trained B"
+    )
+    max_block_size: int | None = Field(
+        None,
+        ge=1,
+        description="largest window a request may ask for; default: the trained B (16 for a model that"
+        " records none). Set it above B to allow wider, untrained windows",
+    )
     max_tokens: int = Field(256, ge=1, description="default completion budget when a request sets none")
     max_batch_size: int = Field(32, ge=1, description="rows decoded together per forward")
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
@@ -90,7 +97,7 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        if self.block_size > self.max_block_size:
+        if self.block_size and self.max_block_size and self.block_size > self.max_block_size:
             raise ValueError(f"block_size {self.block_size} exceeds max_block_size {self.max_block_size}")
         if self.max_ongoing_requests < self.max_batch_size:
             raise ValueError("max_ongoing_requests must be at least max_batch_size, or batches stay smaller")

@@ -25,11 +25,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, DecodeState, SlidingDecoder
+from mars_ray.core.decoding import TRAINED_BLOCK_SIZE, DecodeConfig, DecodeState, SlidingDecoder
+from mars_ray.core.errors import ConfigError
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.text import TextStream
 
 logger = logging.getLogger(__name__)
+MAX_UNTRAINED_BLOCK_SIZE = 16  # the widest window a model that records no trained B may be asked for
 
 
 class RequestError(ValueError):
@@ -65,10 +67,13 @@ class Chunk:
     completion_tokens: int
     forward_passes: int
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # decoded since the last chunk
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk followed by a later one, as one chunk."""
-        return dataclasses.replace(later, text=self.text + later.text)
+        return dataclasses.replace(
+            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids
+        )
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,14 @@ class _Request:
         self.arrived = time.monotonic()
         self.last_tokens_at: float | None = None
         self.finish_reason: str | None = None  # stop, length, cancelled or error
+        self.unsent: list[int] = []  # decoded tokens not yet in a chunk (their text may be held back)
 
     def chunk(self, text: str) -> Chunk:
+        """The next chunk: `text` and the tokens decoded since the last chunk."""
         s = self.state
         reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
-        return Chunk(text, len(s.prompt), len(s.tokens), s.forward_passes, reason)
+        tokens, self.unsent = self.unsent, []
+        return Chunk(text, len(s.prompt), len(s.tokens), s.forward_passes, reason, tokens)
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -154,9 +162,16 @@ class Engine:
         self.metrics = metrics or EngineMetrics()
         self.max_context = config.max_context or int(model.config.max_position_embeddings)
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.stop_token_ids = models.stop_token_ids(model, tokenizer)
+        trained = getattr(model.config, TRAINED_BLOCK_SIZE, None)
+        self.max_block_size = config.max_block_size or trained or MAX_UNTRAINED_BLOCK_SIZE
+        # Stops, calibrated temperatures: what every request's config starts from.
+        self.decode = DecodeConfig.for_model(model, tokenizer, config.block_size, allow_wider=True)
+        if self.decode.block_size > self.max_block_size:
+            raise ConfigError(
+                "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
+            )
         self.decoder = SlidingDecoder(model, tokenizer.mask_token_id, tokenizer.pad_token_id)
-        self._tau, self._block_size = config.tau, config.block_size
+        self._tau, self._block_size = config.tau, self.decode.block_size
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
         self._cancelled: list[_Request] = []
@@ -198,8 +213,8 @@ class Engine:
 
     @block_size.setter
     def block_size(self, block_size: int) -> None:
-        if not 1 <= block_size <= self.config.max_block_size:
-            raise ValueError(f"block_size must be in [1, {self.config.max_block_size}], got {block_size}")
+        if not 1 <= block_size <= self.max_block_size:
+            raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
         self._block_size = block_size
 
     async def generate(
@@ -248,21 +263,21 @@ class Engine:
                 "max_tokens",
             )
         block_size = self._block_size if params.block_size is None else params.block_size
-        if not 1 <= block_size <= self.config.max_block_size:
-            raise RequestError(f"block_size must be in [1, {self.config.max_block_size}]", "block_size")
+        if not 1 <= block_size <= self.max_block_size:
+            raise RequestError(f"block_size must be in [1, {self.max_block_size}]", "block_size")
         try:
-            config = DecodeConfig(
+            config = dataclasses.replace(
+                self.decode,
                 tau=self._tau if params.tau is None else params.tau,
                 block_size=block_size,
                 max_new_tokens=max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,
                 seed=params.seed,
-                stop_token_ids=self.stop_token_ids,
             )
-        except ValueError as error:  # "invalid <field>: <value>"
-            field = str(error).removeprefix("invalid ").split(":")[0].replace("max_new_tokens", "max_tokens")
-            raise RequestError(str(error), field) from None
+        except ConfigError as error:
+            field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
+            raise RequestError(error.message, field) from None
         return _Request(DecodeState(prompt, config), TextStream(self.tokenizer, params.stop), params)
 
     async def warm_up(self) -> None:
@@ -384,6 +399,7 @@ class Engine:
                 self._itl.append((now, itl))
                 self.metrics.inter_token(itl)
             request.last_tokens_at = now
+            request.unsent += tokens
             text = request.text.push(tokens)
             if request.text.stopped:
                 request.finish_reason = "stop"

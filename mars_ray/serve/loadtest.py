@@ -139,15 +139,18 @@ def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict
     import torch
 
     from mars_ray import models
-    from mars_ray.bench import hf_greedy_lengths
+    from mars_ray.bench import hf_greedy_tokens
+    from mars_ray.core.decoding import DecodeConfig
 
     torch.set_num_threads(args.torch_threads)
     model, tokenizer = models.load(args.model)
-    stops = models.stop_token_ids(model, tokenizer)
+    stops = DecodeConfig.for_model(model, tokenizer).stop_token_ids
     tokens, started = 0, time.perf_counter()
     for i in range(0, len(chats), args.concurrency):
         prompts = [data.chat_prompt_ids(tokenizer, m) for m in chats[i : i + args.concurrency]]
-        tokens += sum(hf_greedy_lengths(model, prompts, args.max_tokens, stops, tokenizer.pad_token_id))
+        tokens += sum(
+            map(len, hf_greedy_tokens(model, prompts, args.max_tokens, stops, tokenizer.pad_token_id))
+        )
     wall = time.perf_counter() - started
     nan = float("nan")
     return {

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -62,7 +63,11 @@ class TrainConfig(BaseModel):
     # Ray Train
     num_workers: int = Field(default=2, ge=1)
     cpus_per_worker: int = Field(default=1, ge=1, description="also the torch threads of a CPU worker")
-    use_gpu: bool = Field(default=False, description="one GPU per worker, NCCL, bf16 autocast")
+    use_gpu: bool = Field(default=False, description="one GPU per worker, NCCL")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="bf16: the forward under bf16 autocast (fp32 weights and AdamW); auto: bf16 on GPU",
+    )
     checkpoint_every: int = Field(default=100, ge=1, description="steps between checkpoints (and at the end)")
     keep_checkpoints: int = Field(default=2, ge=1)
     max_failures: int = Field(default=3, ge=0, description="worker-group restarts from the last checkpoint")
@@ -97,6 +102,11 @@ class TrainConfig(BaseModel):
     def global_batch(self) -> int:
         """Examples per optimizer step, over all workers and micro-steps."""
         return self.batch_size * self.grad_accum * self.num_workers
+
+    def autocast_dtype(self, device_type: str) -> torch.dtype | None:
+        """The dtype the forward runs in under autocast, or None for plain fp32."""
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device_type == "cuda")
+        return torch.bfloat16 if bf16 else None
 
     def total_steps(self, num_examples: int) -> int:
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.global_batch))

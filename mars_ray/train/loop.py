@@ -27,7 +27,15 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
 
 from mars_ray import models
-from mars_ray.core.objective import IGNORE, Example, ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.core.objective import (
+    IGNORE,
+    Example,
+    ScoredLM,
+    ar_loss,
+    collate_ar,
+    collate_mars,
+    mars_loss,
+)
 from mars_ray.train.config import Stage, TrainConfig
 
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler and step: the part of a checkpoint HF does not load
@@ -55,17 +63,14 @@ class Objective:
     ) -> dict[str, torch.Tensor]:
         """The core losses of `examples` times their own normaliser: sums that add up across workers.
 
-        `total` carries the gradient; `noisy` and `clean` (MARS only) are its detached parts.
+        `model` is a `ScoredLM` (or DDP around one). `total` carries the gradient; `noisy` and `clean`
+        (MARS only) are its detached parts.
         """
         if self.stage == "ar-sft":
             batch = collate_ar(examples, self.pad_id).to(device)
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            return {"total": ar_loss(logits, batch.labels) * self.normaliser(examples)}
+            return {"total": ar_loss(model(**batch.model_inputs()), batch) * self.normaliser(examples)}
         batch = collate_mars(examples, self.block_size, self.mask_id, self.pad_id, self.eos_id).to(device)
-        logits = model(
-            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask
-        ).logits
-        loss = mars_loss(logits, batch.labels, self.ar_weight)
+        loss = mars_loss(model(**batch.model_inputs()), batch, self.ar_weight)
         return {
             "total": loss.total * len(examples),
             "noisy": loss.noisy * len(examples),
@@ -133,12 +138,14 @@ def accumulate_gradients(
     normaliser: int,
     world_size: int,
     device: torch.device,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Forward and backward over this worker's micro-batches of one step; DDP syncs on the last one.
 
+    `autocast` runs the forward in that dtype (mixed precision: weights, gradients and AdamW stay fp32).
     Returns this worker's share of the joined batch's losses: summed over workers they are its losses.
     """
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = torch.autocast(device.type, dtype=autocast) if autocast else nullcontext()
     shares: dict[str, float] = {}
     for i, examples in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -189,9 +196,11 @@ def train_worker(loop_config: dict) -> None:
     with checkpoint.as_directory() if checkpoint else nullcontext(loop_config["source"]) as source:
         model, tokenizer = models.load(str(source), dtype=torch.float32)
         state = torch.load(Path(source) / TRAINER_STATE, map_location="cpu") if checkpoint else None
+    if stage == "mars":
+        model.config.mars_block_size = config.block_size  # decoders default their window to it
     model.train()
-    model = ray.train.torch.prepare_model(model)
-    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    unwrapped = model
+    model = ray.train.torch.prepare_model(ScoredLM(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, round(config.warmup_ratio * total_steps), total_steps
@@ -224,7 +233,13 @@ def train_worker(loop_config: dict) -> None:
             for share in worker_micro_batches(indices, rank, world_size, config.grad_accum)
         ]
         losses = accumulate_gradients(
-            model, objective, micro_batches, objective.normaliser(batch), world_size, device
+            model,
+            objective,
+            micro_batches,
+            objective.normaliser(batch),
+            world_size,
+            device,
+            config.autocast_dtype(device.type),
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
         lr = scheduler.get_last_lr()[0]

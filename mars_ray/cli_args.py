@@ -1,0 +1,63 @@
+"""One mapping from a typed config (a pydantic model) to command-line flags and back.
+
+Every field becomes `--field-name` with the field's description as its help; a flag left out keeps the
+model's default. A bad value fails as `ConfigError`, which names the field (as its flag) and says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
+
+from mars_ray.core.errors import ConfigError
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar(annotation) -> tuple[type | None, tuple | None]:
+    """The argparse type and choices of an annotation (Optional and Literal unwrapped)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = typing.get_args(annotation)
+        return type(choices[0]), choices
+    return (str if annotation is Path else annotation), None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config: type[BaseModel]) -> None:
+    """A flag per field of `config`, typed, with its description and default in the help."""
+    for name, field in config.model_fields.items():
+        annotation = field.annotation
+        many = typing.get_origin(annotation) in (list, tuple)
+        kind, choices = _scalar(typing.get_args(annotation)[0] if many else annotation)
+        help_text = field.description or ""
+        if not field.is_required():
+            help_text += f" (default: {field.get_default(call_default_factory=True)})"
+        options: dict = {"dest": name, "help": help_text.strip(), "default": argparse.SUPPRESS}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options.update(type=kind, choices=choices, nargs="+" if many else None)
+        parser.add_argument(flag(name), required=field.is_required(), **options)
+
+
+def config_from_args(config: type[BaseModel], args: argparse.Namespace):
+    """The config the parsed flags describe, validated."""
+    values = {name: getattr(args, name) for name in config.model_fields if hasattr(args, name)}
+    return validated(config, values, name=flag)
+
+
+def validated(config: type[BaseModel], values: dict, name=lambda field: field):
+    """`config(**values)`, or a `ConfigError` naming the first bad field as `name(field)` shows it."""
+    try:
+        return config(**values)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or config.__name__
+        raise ConfigError(name(field) if first["loc"] else field, first["msg"]) from None

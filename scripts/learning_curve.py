@@ -1,0 +1,105 @@
+"""The learning curve of a MARS run: tokens per forward at one tau and agreement with the base model on
+held-out prompts, against the training examples each checkpoint had seen. Prints markdown, writes JSON.
+
+    .venv/bin/python scripts/learning_curve.py --run RUN --baseline smollm2-135m --output curve.json
+
+Points: the base model (0 examples) and every checkpoint the run kept (`keep_checkpoints`; the last one is
+the run's `final/`). The checkpoints are uncalibrated, so every point reads raw confidences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from mars_ray.data import chat_prompt_ids
+from mars_ray.evaluate import EvalConfig, ModelUnderTest, agreement, heldout_sets
+from mars_ray.train.config import TrainConfig
+
+
+def checkpoints(run: Path, stage: str) -> list[tuple[int, Path]]:
+    """(optimizer step, folder) of every kept checkpoint of the stage, then its final folder."""
+    found = []
+    for folder in (run / stage).glob("checkpoint_*"):
+        match = re.fullmatch(r"checkpoint_(\d+)", folder.name)
+        if match and (folder / "config.json").exists():
+            found.append((int(match.group(1)), folder))
+    return sorted(found)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--run", type=Path, required=True, help="the run folder (output_dir/name)")
+    parser.add_argument("--stage", default="mars")
+    parser.add_argument("--baseline", required=True, help="the base model the run started from")
+    parser.add_argument("--tau", type=float, default=0.9)
+    parser.add_argument("--sources", nargs="+", default=["chatterbot"], choices=["tasks", "chatterbot"])
+    parser.add_argument("--dialogs-limit", type=int, default=100)
+    parser.add_argument("--tasks-limit", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+
+    train = TrainConfig(**yaml.safe_load((args.run / "config.yaml").read_text()))
+    config = EvalConfig(
+        model=str(args.run),
+        sources=args.sources,
+        dialogs_limit=args.dialogs_limit,
+        tasks_limit=args.tasks_limit,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        block_size=train.block_size,
+    )
+    sets = heldout_sets(config)
+    base = ModelUnderTest(args.baseline, config)
+    prompts = {
+        s: [chat_prompt_ids(base.tokenizer, r["messages"][:-1]) for r in rows] for s, rows in sets.items()
+    }
+    reference = {s: base.decode(p, 1.0, "raw").texts for s, p in prompts.items()}
+    points = [(0, args.baseline)] + [
+        (step * train.global_batch, str(folder)) for step, folder in checkpoints(args.run, args.stage)
+    ]
+    rows = []
+    for examples, path in points:
+        model = base if path == args.baseline else ModelUnderTest(path, config)
+        row = {"examples": examples, "model": path}
+        for source, source_prompts in prompts.items():
+            greedy = model.decode(source_prompts, 1.0, "raw")
+            fast = model.decode(source_prompts, args.tau, "raw")
+            row[source] = {
+                "tokens_per_forward": fast.tokens_per_forward,
+                "self": agreement(fast.texts, greedy.texts),
+                "base_greedy": agreement(greedy.texts, reference[source]),
+                "base": agreement(fast.texts, reference[source]),
+            }
+            if source == "tasks":
+                answers = [r["answer"] for r in sets["tasks"]]
+                row[source]["accuracy"] = [agreement(run.texts, answers)[0] for run in (greedy, fast)]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    t = args.tau
+    print(
+        f"\n| examples seen | source | tok/fwd at tau {t} | = own tau 1 % (sim) | tau 1 = base % (sim) | ",
+        end="",
+    )
+    print(f"tau {t} = base % (sim) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        for source in prompts:
+            r = row[source]
+            cells = [f"{100 * r[k][0]:.1f} ({100 * r[k][1]:.1f})" for k in ("self", "base_greedy", "base")]
+            head = f"| {row['examples']} | {source} | {r['tokens_per_forward']:.2f} | "
+            print(head + " | ".join(cells) + " |")
+    if args.output:
+        args.output.write_text(json.dumps({"tau": args.tau, "points": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
