@@ -2,11 +2,14 @@
 `mars-ray bench forward`: what one cached decode step costs against the window of tokens it carries.
 
 Methods: HF `generate` greedy with a KV cache (the AR baseline every ratio is taken against, at the same
-batch size); the MARS sliding decoder at tau = 1 (the same greedy AR tokens through MARS's own loop, which
-separates what the loop costs or saves from what multi-token acceptance gains); HF prompt-lookup decoding;
-the MARS sliding cached decoder at the bench's tau (at batch 1 the single-sequence decoder); the paper's
-block-cached decoder over a sweep of cache-block sizes (as published, and with the extend pass fused into
-the next block); and the serving engine's continuous batcher.
+batch size; with `baseline`, also on the base model, `ar-base`, which then sets the ratios); the MARS
+sliding decoder at tau = 1 (the same greedy AR tokens through MARS's own loop, which separates what the
+loop costs or saves from what multi-token acceptance gains); HF prompt-lookup decoding (the lossless
+peer); the MARS sliding cached decoder at the bench's tau (at batch 1 the single-sequence decoder); the
+same decoder verified (`mars-verify`: lossless, exactly greedy, tau picks the proposals it checks); the
+paper's block-cached decoder over a sweep of cache-block sizes (as published, and with the extend pass
+fused into the next block); and the serving engine's continuous batcher. `= greedy` is the share of rows
+whose tokens equal HF `generate`'s on the same model.
 
 Forward passes are counted by a hook on the model, the same way for every method: tokens per forward is
 generated tokens over the rows that took part in each forward (a finished row that HF keeps in its batch
@@ -35,7 +38,16 @@ from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine, SamplingParams
 
-METHODS = ("ar", "ar-sliding", "prompt-lookup", "mars-cached", "mars-block", "mars-block-fused", "engine")
+METHODS = (
+    "ar",
+    "ar-sliding",
+    "prompt-lookup",
+    "mars-cached",
+    "mars-verify",
+    "mars-block",
+    "mars-block-fused",
+    "engine",
+)
 PROMPT_SOURCES = ("mixed", "tasks", "dialogs")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -339,6 +351,11 @@ def run_bench(config: BenchConfig) -> BenchReport:
                     sliding(decode),
                     "sliding cache" if batch_size > 1 else "single sequence",
                 )
+            )
+        if "mars-verify" in config.methods:
+            verified = replace(decode, verify=True)
+            runs.append(
+                ("mars-verify", None, sliding(verified), "verified: exactly greedy, tau picks drafts")
             )
         for fuse, name in ((False, "mars-block"), (True, "mars-block-fused")):
             if name in config.methods:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,7 @@ from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 PAPER_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 Source = Literal["tasks", "chatterbot"]
 Confidence = Literal["calibrated", "raw"]
+Mode = Literal["lossy", "verify"]
 
 
 class EvalConfig(BaseModel):
@@ -47,6 +49,9 @@ class EvalConfig(BaseModel):
         default=["calibrated", "raw"],
         min_length=1,
         description="calibrated slot temperatures (when the checkpoint has them) and raw probabilities",
+    )
+    modes: list[Mode] = Field(
+        default=["lossy"], min_length=1, description="lossy MARS, and/or verified (exactly greedy at any tau)"
     )
     block_size: int | None = Field(default=None, ge=1, description="window; default: the trained B")
     allow_wider_window: bool = Field(default=False, description="allow a window wider than the trained B")
@@ -79,8 +84,10 @@ class Score(BaseModel):
     confidence: str
     tau: float
     prompts: int
+    mode: str = "lossy"
     tokens_per_forward: float
     acceptance: list[float]  # per window slot j: the fraction of forwards that accepted more than j tokens
+    draft_acceptance: list[float] | None = None  # verify: per draft position, the share of drafts kept
     accuracy: float | None = None  # tasks: exact match with the known answer
     self_exact: float = 1.0  # the same model's tau = 1 reply, token for token (text)
     self_similarity: float = 1.0
@@ -97,7 +104,7 @@ class EvalReport(BaseModel):
     def table(self) -> str:
         """Markdown, one row per (model, confidence, tau); `= base`: agreement with the base model."""
         sources = [s for s in ("tasks", "chatterbot") if any(c.source == s for c in self.scores)]
-        head = ["model", "confidence", "tau"]
+        head = ["model", "mode", "confidence", "tau"]
         for source in sources:
             head += [f"{source} tok/fwd"] + (["acc %"] if source == "tasks" else [])
             head += ["= own tau 1 % (sim)", "= base % (sim)"]
@@ -159,6 +166,18 @@ def acceptance_rates(results: Sequence[DecodeResult], width: int) -> list[float]
     return [sum(n > j for n in counts) / max(len(counts), 1) for j in range(width)]
 
 
+def draft_acceptance(results: Sequence[DecodeResult]) -> list[float]:
+    """Verified decoding, per draft position i: of the forwards that checked more than i drafts, the share
+    that kept draft i (a forward keeps `accepted - 1` drafts, then adds the greedy token after them)."""
+    pairs = [(d, a - 1) for r in results for d, a in zip(r.drafted, r.accepted, strict=True)]
+    width = max((d for d, _ in pairs), default=0)
+    rates = []
+    for i in range(width):
+        offered = [kept for drafted, kept in pairs if drafted > i]
+        rates.append(sum(kept > i for kept in offered) / len(offered))
+    return rates
+
+
 class Decoded:
     """One model's replies to one prompt set at one setting."""
 
@@ -188,9 +207,11 @@ class ModelUnderTest:
         """The confidence modes that differ for this checkpoint (raw only, if it is not calibrated)."""
         return [c for c in wanted if c == "raw" or self.base.slot_temperatures] or ["raw"]
 
-    def decode(self, prompts: list[list[int]], tau: float, confidence: Confidence) -> Decoded:
+    def decode(
+        self, prompts: list[list[int]], tau: float, confidence: Confidence, mode: Mode = "lossy"
+    ) -> Decoded:
         temperatures = self.base.slot_temperatures if confidence == "calibrated" else ()
-        config = DecodeConfig(**{**self.base.__dict__, "tau": tau, "slot_temperatures": temperatures})
+        config = replace(self.base, tau=tau, slot_temperatures=temperatures, verify=mode == "verify")
         tok = self.tokenizer
         found = dict(
             decode_continuous(
@@ -232,35 +253,42 @@ def _score_model(
         greedy = under_test.decode(prompts, 1.0, "raw")
         greedy_texts[source] = greedy.texts
         mismatches = under_test.greedy_mismatches(prompts, greedy.results) if config.check_greedy else None
-        for confidence in under_test.confidences(config.confidences):
-            for tau in taus:
-                run = greedy if tau >= 1.0 else under_test.decode(prompts, tau, confidence)
-                base = reference.get(source) if reference else None
-                self_exact, self_similarity = agreement(run.texts, greedy.texts)
-                score = Score(
-                    model=name,
-                    source=source,
-                    confidence=confidence,
-                    tau=tau,
-                    prompts=len(rows),
-                    tokens_per_forward=run.tokens_per_forward,
-                    acceptance=acceptance_rates(run.results, under_test.base.block_size),
-                    self_exact=self_exact,
-                    self_similarity=self_similarity,
-                    greedy_mismatches=mismatches if tau >= 1.0 else None,
-                )
-                if base is not None:
-                    score.base_exact, score.base_similarity = agreement(run.texts, base)
-                if source == "tasks":
-                    score.accuracy = _mean(t == r["answer"] for t, r in zip(run.texts, rows, strict=True))
-                else:
-                    human = [r["messages"][-1]["content"] for r in rows]
-                    score.human_similarity = agreement(run.texts, human)[1]
-                scores.append(score)
-                print(
-                    f"  {name} {source} {confidence} tau {tau:g}: {score.tokens_per_forward:.2f} tok/fwd",
-                    flush=True,
-                )
+        settings = [
+            (mode, confidence, tau)
+            for mode in config.modes
+            for confidence in under_test.confidences(config.confidences)
+            for tau in taus
+        ]
+        for mode, confidence, tau in settings:
+            run = greedy if tau >= 1.0 else under_test.decode(prompts, tau, confidence, mode)
+            base = reference.get(source) if reference else None
+            self_exact, self_similarity = agreement(run.texts, greedy.texts)
+            score = Score(
+                model=name,
+                source=source,
+                mode=mode,
+                confidence=confidence,
+                tau=tau,
+                prompts=len(rows),
+                tokens_per_forward=run.tokens_per_forward,
+                acceptance=acceptance_rates(run.results, under_test.base.block_size),
+                draft_acceptance=draft_acceptance(run.results) if mode == "verify" else None,
+                self_exact=self_exact,
+                self_similarity=self_similarity,
+                greedy_mismatches=mismatches if tau >= 1.0 else None,
+            )
+            if base is not None:
+                score.base_exact, score.base_similarity = agreement(run.texts, base)
+            if source == "tasks":
+                score.accuracy = _mean(t == r["answer"] for t, r in zip(run.texts, rows, strict=True))
+            else:
+                human = [r["messages"][-1]["content"] for r in rows]
+                score.human_similarity = agreement(run.texts, human)[1]
+            scores.append(score)
+            print(
+                f"  {name} {source} {mode} {confidence} tau {tau:g}: {score.tokens_per_forward:.2f} tok/fwd",
+                flush=True,
+            )
     return scores, greedy_texts
 
 

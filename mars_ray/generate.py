@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--allow-wider-window", action="store_true", help="allow a window wider than the trained B"
     )
+    parser.add_argument(
+        "--verify", action="store_true", help="verified: exactly greedy at any tau (tau picks the drafts)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
@@ -38,6 +41,7 @@ def run(args: argparse.Namespace) -> None:
         allow_wider=args.allow_wider_window,
         tau=args.tau,
         max_new_tokens=args.max_new_tokens,
+        verify=args.verify,
     )
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
     start = time.perf_counter()
@@ -52,6 +56,7 @@ def run(args: argparse.Namespace) -> None:
                     "token_ids": result.tokens,
                     "forward_passes": result.forward_passes,
                     "tokens_per_forward": round(result.tokens_per_forward, 4),
+                    "mode": "verify" if config.verify else "mars" if config.window > 1 else "ar",
                 }
             )
         )

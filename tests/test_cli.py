@@ -24,7 +24,8 @@ def test_generate_json_equals_transformers_greedy():
     )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(out) == {"text", "token_ids", "forward_passes", "tokens_per_forward"}
+    assert set(out) == {"text", "token_ids", "forward_passes", "tokens_per_forward", "mode"}
+    assert out["mode"] == "ar"
     model, tokenizer = models.load("tiny")
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Count from 3 to 9."}])
     greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[
@@ -33,6 +34,23 @@ def test_generate_json_equals_transformers_greedy():
     assert out["token_ids"] == greedy
     assert out["forward_passes"] == len(greedy) and out["tokens_per_forward"] == 1.0
     assert out["text"] == tokenizer.decode(greedy, skip_special_tokens=True)
+
+    verified = mars_ray(
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "Count from 3 to 9.",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--verify",
+        "--tau",
+        "0.2",
+    )
+    assert verified.returncode == 0, verified.stderr
+    out = json.loads(verified.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == greedy and out["mode"] == "verify"
 
 
 def test_generate_errors_name_the_problem():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
-from mars_ray.serve.controller import TauController, TauObjective
+from mars_ray.serve.controller import OperatingPoint, TauController, TauObjective, ladder
 from mars_ray.serve.engine import EngineStats
 from mars_ray.serve.policy import tau_first_policy
 
@@ -36,17 +38,22 @@ def snapshot(
 
 
 class Replica:
-    """Feeds the controller the goodput a replica would have at each tau: `rate(tau)` tokens/s."""
+    """Feeds the controller the goodput a replica would have at each point: `rate(point)` tokens/s
+    (`rate(tau)` for a ladder without a verified point)."""
 
     def __init__(self, objective: TauObjective, rate) -> None:
         self.controller = TauController(objective, now=0.0)
-        self.rate, self.now, self.generated = rate, 0.0, 0
+        self.rate = rate if objective.verify_tau else lambda point: rate(point.tau)
+        self.now, self.generated = 0.0, 0
 
     def tick(self, waiting: int, running: int = 16) -> float:
-        tau = self.controller.tau
+        point = self.controller.point
         self.now += 1.0
-        self.generated += int(self.rate(tau)) if running else 0
-        return self.controller.update(snapshot(tau, waiting, running, self.generated), self.now)
+        self.generated += int(self.rate(point)) if running else 0
+        stats = dataclasses.replace(
+            snapshot(point.tau, waiting, running, self.generated), verify=point.verify
+        )
+        return self.controller.update(stats, self.now).tau
 
 
 OBJECTIVE = TauObjective(tau_min=0.7, tau_max=1.0, tau_step=0.1, target=4, low_fraction=0.5, patience=2)
@@ -108,6 +115,43 @@ def test_live_reconfigure_clamps_and_validates():
         TauObjective(tau_min=0.9, tau_max=0.8)
     with pytest.raises(ValidationError, match="tau_step"):
         TauObjective(tau_step=0)
+
+
+def test_verified_decoding_comes_first_and_stays_only_where_it_pays():
+    objective = OBJECTIVE.model_copy(update={"verify_tau": 0.5})
+    assert ladder(objective) == [
+        OperatingPoint(1.0),
+        OperatingPoint(0.5, verify=True),
+        OperatingPoint(0.9),
+        OperatingPoint(0.8),
+        OperatingPoint(0.7),
+    ]
+    assert ladder(objective.model_copy(update={"tau_max": 0.95}))[1] == OperatingPoint(0.85)  # lossy ceiling
+
+    def rate(point):  # verified decoding is free speed, lower taus add more
+        return 155.0 if point.verify else 150 * (2.0 - point.tau)
+
+    replica = Replica(objective, rate)
+    points = []
+    for _ in range(14):
+        replica.tick(waiting=10)
+        points.append(replica.controller.point)
+    assert points[1] == OperatingPoint(0.5, verify=True)  # the lossless step is taken first
+    assert points[-1] == OperatingPoint(0.7) and replica.controller.state.at_floor
+    for _ in range(12):
+        replica.tick(waiting=0, running=1)
+    assert replica.controller.point == OperatingPoint(1.0)
+
+    def verify_does_not_pay(point):  # at this batch the drafts cost more than they bring
+        return 80.0 if point.verify else 100.0
+
+    replica = Replica(objective, verify_does_not_pay)
+    visited = set()
+    for _ in range(12):
+        replica.tick(waiting=10)
+        visited.add(replica.controller.point)
+    assert replica.controller.point == OperatingPoint(1.0) and replica.controller.state.at_floor
+    assert OperatingPoint(0.9) not in visited  # it does not walk past a step that did not pay
 
 
 def test_latency_objective():

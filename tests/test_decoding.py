@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny, random_prompts
+from conftest import EOS_ID, MASK_ID, PAD_ID, VOCAB, build_tiny, random_prompts
 
 from mars_ray.core.decoding import (
     DecodeConfig,
@@ -15,6 +15,7 @@ from mars_ray.core.decoding import (
     decode_cached,
     decode_continuous,
     decode_reference,
+    propose,
 )
 from mars_ray.core.errors import ConfigError
 
@@ -238,12 +239,16 @@ def test_continuous_decoding_equals_each_prompt_alone(tiny_llama):
 class FakeTokenizer:
     eos_token_id = EOS_ID
 
+    def __len__(self) -> int:
+        return VOCAB - 6  # as if the embedding had padded rows past the tokenizer
+
 
 def test_config_for_a_model_reads_its_checkpoint(tiny_llama):
     model = build_tiny("llama")
     model.generation_config.eos_token_id = [EOS_ID, 7]
     default = DecodeConfig.for_model(model, FakeTokenizer(), tau=0.9)
     assert default.block_size == 4 and default.stop_token_ids == (EOS_ID, 7) and default.tau == 0.9
+    assert default.vocab_limit == VOCAB - 6
     model.config.mars_block_size = 8  # what training writes
     assert DecodeConfig.for_model(model, FakeTokenizer()).block_size == 8
     assert DecodeConfig.for_model(model, FakeTokenizer(), block_size=2).block_size == 2
@@ -333,3 +338,19 @@ def test_verify_refuses_sampling_and_the_block_cache(tiny_llama):
     assert error.value.field == "verify"
     with pytest.raises(ConfigError):
         decode_block_cached(tiny_llama, random_prompts(1), MASK_ID, DecodeConfig(verify=True, tau=0.5))
+
+
+def test_mask_slots_never_propose_the_mask_or_padded_rows():
+    """Logits that favour the mask token, then a padded row: slot 0 keeps the model's greedy choice (as
+    `generate` would), every mask slot takes the best real token."""
+    logits = torch.zeros(2, 4, VOCAB)
+    logits[:, :, MASK_ID] = 9.0
+    logits[:, :, VOCAB - 3] = 8.0  # a padded row (past vocab_limit)
+    logits[:, :, 11] = 7.0
+    seqs = [
+        DecodeState([1], DecodeConfig(vocab_limit=VOCAB - 6)),
+        DecodeState([1], DecodeConfig()),
+    ]
+    tokens, _ = propose(logits, seqs, first_slot=[0, 1], mask_id=MASK_ID)
+    assert tokens[0] == [MASK_ID, 11, 11, 11]
+    assert tokens[1] == [MASK_ID, MASK_ID, VOCAB - 3, VOCAB - 3]  # no limit: only the mask is banned

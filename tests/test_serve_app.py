@@ -140,7 +140,7 @@ def test_tau_one_equals_transformers_greedy_streaming_or_not(server, client, tin
 
 def test_max_tokens_stop_strings_and_per_request_tau(client):
     def chat(**fields):
-        extra = {k: fields.pop(k) for k in ("tau", "block_size") if k in fields}
+        extra = {k: fields.pop(k) for k in ("tau", "block_size", "verify") if k in fields}
         return client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body=extra, **fields)
 
     full = chat(max_tokens=30).choices[0].message.content
@@ -159,8 +159,17 @@ def test_max_tokens_stop_strings_and_per_request_tau(client):
     # The tiny random model is never as unsure as tau = 1e-4, so every slot of the window is accepted.
     multi = chat(max_tokens=24, tau=1e-4, block_size=4).usage
     assert (multi.completion_tokens, multi.forward_passes) == (24, 6)
+    assert (multi.tau, multi.mode) == (1e-4, "mars")
     default = chat(max_tokens=24, block_size=4).usage  # follows the replica's operating tau (1.0)
     assert (default.completion_tokens, default.forward_passes) == (24, 24)
+    assert (default.tau, default.mode) == (1.0, "ar")
+
+    # Verified: the greedy text whatever tau carries, and usage says so
+    greedy = chat(max_tokens=24).choices[0].message.content
+    for tau in (0.9, 1e-4):
+        verified = chat(max_tokens=24, tau=tau, verify=True)
+        assert verified.choices[0].message.content == greedy
+        assert verified.usage.mode == "verify"
 
 
 def test_32_concurrent_streams_each_get_their_output_alone(server, client):
@@ -226,12 +235,15 @@ def test_each_error_has_its_status_and_body(server, client):
         ("stop", ["a", "b", "c", "d", "e"], "stop"),
         ("max_tokens", 2000, "max_tokens"),  # the prompt plus 2000 is beyond the 1024-token context
         ("block_size", 99, "block_size"),
+        ("verify", "maybe", "verify"),
     ]:
         response = httpx.post(url, json={**base, field: value}, timeout=60)
         assert response.status_code == 400, (field, value, response.text)
         error = error_of(response)
         assert error["param"] == param and error["type"] == "invalid_request_error", error
 
+    sampled = httpx.post(url, json={**base, "verify": True, "temperature": 0.7}, timeout=60)
+    assert sampled.status_code == 400 and error_of(sampled)["param"] == "verify"  # greedy only
     missing = httpx.post(url, json={"model": "tiny"}, timeout=60)
     assert missing.status_code == 400 and error_of(missing)["param"] == "messages"
     unknown = httpx.post(url, json={**base, "model": "gpt-9"}, timeout=60)
@@ -317,10 +329,22 @@ def test_loadtest_table_against_the_app(server, capsys):
 
     loadtest.main(
         ["--model", "tiny", "--url", server, "--model-name", "tiny", "--requests", "4", "--max-tokens", "8"]
+        + [
+            "--verify-taus",
+            "0.5",
+            "--peer-url",
+            server,
+            "--peer-name",
+            "tiny",
+            "--peer-label",
+            "the app as a peer",
+        ]
     )
     out = capsys.readouterr().out
     assert "| AR baseline (KV cache, block_size=1) | 4 |" in out
     assert "| MARS tau=0.9 (block_size=4) | 4 |" in out
+    assert "| MARS verified, tau=0.5 (block_size=4) | 4 |" in out
+    assert "| the app as a peer | 4 | 32 |" in out  # the same budget, through the peer path
 
 
 def test_metrics_are_exported_per_model(server, client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -210,3 +211,133 @@ def test_stats_snapshot_and_request_errors(tiny):
     assert stats.finished == {"length": 4} and stats.generated_tokens == 4 + 3 * 8
     assert stats.tokens_per_s > 0 and stats.forwards_per_s > 0 and stats.tokens_per_forward >= 1
     assert 0 < stats.ttft_p50_s <= stats.ttft_p95_s and 0 < stats.itl_p50_s <= stats.itl_p95_s
+
+
+def test_verified_requests_are_greedy_and_say_so(tiny):
+    """`verify` per request or as the replica's mode: exactly the greedy text at any tau; usage names the
+    mode. Sampling does not verify (refused when asked, skipped when it is only the replica's mode)."""
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 3)
+
+    async def run():
+        engine = make_engine(tiny, max_batch_size=2, verify=True, tau=0.3)
+        follows = [collect(engine, p, SamplingParams(max_tokens=16)) for p in prompts]
+        lossy = collect(engine, prompts[0], SamplingParams(max_tokens=16, verify=False))
+        sampled = collect(engine, prompts[1], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+        done = await asyncio.gather(*follows, lossy, sampled)
+        with pytest.raises(RequestError) as refused:
+            await anext(engine.generate(prompts[0], SamplingParams(verify=True, temperature=0.5)))
+        return done, refused.value.param
+
+    done, refused = asyncio.run(run())
+    for prompt, (text, last) in zip(prompts, done[:3], strict=True):
+        greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)
+        assert text == tokenizer.decode(greedy[0, len(prompt) :], skip_special_tokens=True)
+        assert (last.mode, last.tau) == ("verify", 0.3)
+    assert done[3][1].mode == "mars" and done[4][1].mode == "mars"
+    assert refused == "verify"
+
+
+def test_window_defaults_to_the_trained_block_size(tiny):
+    model, tokenizer = tiny
+    model.config.mars_block_size = 2
+    try:
+        engine = make_engine(tiny)
+        assert (engine.block_size, engine.max_block_size) == (2, 2)
+        prompt = prompts_of(tokenizer, 1)[0]
+
+        async def wider():
+            await anext(engine.generate(prompt, SamplingParams(block_size=4)))
+
+        with pytest.raises(RequestError) as caught:
+            asyncio.run(wider())
+        assert caught.value.param == "block_size"
+        assert make_engine(tiny, max_block_size=8).max_block_size == 8  # wider, asked for explicitly
+    finally:
+        del model.config.mars_block_size
+
+
+def test_close_ends_waiting_and_running_requests(tiny):
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run():
+        engine = make_engine(tiny, max_batch_size=1)
+        running = engine.generate(prompt, SamplingParams(max_tokens=500))
+        waiting = engine.generate(prompt, SamplingParams(max_tokens=500))
+        await anext(running)
+        await anext(waiting)
+        await anext(running)
+        await engine.close()
+        ends = []
+        for stream in (running, waiting):
+            with pytest.raises(RuntimeError, match="shut down"):
+                async for _ in stream:
+                    pass
+            ends.append("error")
+        return ends, engine.stats()
+
+    ends, stats = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert ends == ["error", "error"] and stats.finished.get("error") == 2
+    assert (stats.running, stats.waiting) == (0, 0)
+
+
+def test_text_merged_before_a_failure_is_delivered(tiny, monkeypatch):
+    _, tokenizer = tiny
+    engine = make_engine(tiny)
+    monkeypatch.setattr(engine, "_start", lambda: None)  # no decode loop: the outbox is filled by hand
+
+    async def run():
+        stream = engine.generate(prompts_of(tokenizer, 1)[0], SamplingParams(max_tokens=8))
+        await anext(stream)
+        request = engine._waiting[0]
+        for text in ("Hel", "lo"):
+            request.outbox.put_nowait(request.chunk(text))
+        request.outbox.put_nowait(RuntimeError("decoding failed"))
+        merged = await anext(stream)
+        with pytest.raises(RuntimeError, match="decoding failed"):
+            await anext(stream)
+        return merged.text
+
+    assert asyncio.run(run()) == "Hello"
+
+
+def test_completion_tokens_stop_at_the_stop_string(tiny):
+    """At tau 1e-4 a forward accepts 4 tokens: those past a stop string are decoded, not completion."""
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+    params = SamplingParams(max_tokens=24, tau=1e-4, block_size=4)
+
+    async def run():
+        engine = make_engine(tiny)
+        chunks = [c async for c in engine.generate(prompt, params)]
+        full = "".join(c.text for c in chunks)
+        ids = [t for c in chunks for t in c.token_ids]
+        stop = full[6:9]
+        stopped = await collect(engine, prompt, dataclasses.replace(params, stop=(stop,)))
+        return full, ids, stop, stopped
+
+    full, ids, stop, (text, last) = asyncio.run(run())
+    assert text == full[: full.index(stop)] and last.finish_reason == "stop"
+    reach = full.index(stop) + len(stop)
+    through = next(
+        k for k in range(1, 25) if len(tokenizer.decode(ids[:k], skip_special_tokens=True)) >= reach
+    )
+    assert last.completion_tokens == through < 24
+
+
+def test_cache_refuses_attention_it_cannot_hold():
+    from conftest import build_tiny
+
+    from mars_ray.core.decoding import RaggedCache
+    from mars_ray.core.errors import ConfigError
+
+    sliding = build_tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ConfigError) as error:
+        RaggedCache(sliding)
+    assert error.value.field == "model" and "sliding" in error.value.message
+    model = build_tiny("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError) as error:
+        RaggedCache(model)
+    assert error.value.field == "attn_implementation"

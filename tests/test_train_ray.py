@@ -99,6 +99,7 @@ def test_final_folder_loads_in_plain_transformers_and_tau_1_is_greedy(two_stage_
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()  # no project code
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.mask_token == "<|mask|>"
+    assert model.config.mars_block_size == 4  # the window decoders default to
     assert (
         tokenizer.mask_token_id == model.config.mask_token_id < model.get_input_embeddings().weight.shape[0]
     )

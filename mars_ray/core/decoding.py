@@ -7,9 +7,10 @@ longest prefix whose confidence (fp32 softmax probability) is >= tau. tau >= 1 a
 which is greedy autoregressive decoding of the same weights.
 
 - `decode_reference`: no cache, recomputes everything; the ground truth (the paper's `MARSSampler`).
-- `SlidingDecoder` / `decode_cached`: a KV cache that never keeps a mask's keys and values; each step
-  feeds `[tokens accepted last step | masks]` and crops the masks. Rows of a batch advance independently
-  over a ragged cache with holes, join at any step and leave at once: the serving engine is built on it.
+- `SlidingDecoder` / `decode_cached` / `decode_continuous`: a KV cache that never keeps a mask's keys and
+  values; each step feeds `[tokens accepted last step | masks]` and crops the masks. Rows of a batch
+  advance independently over a ragged cache with holes, join at any step and leave at once: the serving
+  engine is built on it. With `verify`, the same step is lossless: proposals are checked, not output.
 - `decode_block_cached`: the paper's block-level cache for left-padded batches (Table 5).
 """
 
@@ -54,6 +55,7 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = ()
     slot_temperatures: tuple[float, ...] = ()
     verify: bool = False
+    vocab_limit: int | None = None  # ids at or past it (padded embedding rows) are never proposed
 
     @classmethod
     def for_model(
@@ -85,6 +87,7 @@ class DecodeConfig:
             block_size=window,
             stop_token_ids=stop_token_ids(model, tokenizer),
             slot_temperatures=tuple(temperatures or ()),
+            vocab_limit=len(tokenizer),
             **fields,
         )
 
@@ -217,16 +220,22 @@ class DecodeState:
 
 
 def propose(
-    logits: torch.Tensor, seqs: Sequence[DecodeState], first_slot: Sequence[int] | None = None
+    logits: torch.Tensor,
+    seqs: Sequence[DecodeState],
+    first_slot: Sequence[int] | None = None,
+    mask_id: int | None = None,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V].
 
-    A row's `slot_temperatures` scale its slots' logits before the probability is read; its window
-    starts at column `first_slot[row]` (default 0: the whole row is one window).
+    A row's window starts at column `first_slot[row]` (default 0: the whole row is one window); its
+    `slot_temperatures` scale its slots' logits before the probability is read. A mask slot (after the
+    first) never proposes the mask token or an id at or past the row's `vocab_limit` (padded embedding
+    rows): neither is text. The first slot is the model's own greedy choice, exactly as `generate`'s.
     """
-    logits = logits.float()
+    first_slot = first_slot or [0] * len(seqs)
+    logits = _never_in_mask_slots(logits.float(), seqs, first_slot, mask_id)
     tokens = logits.argmax(dim=-1)
-    scale = _slot_scales(seqs, logits.shape[1], first_slot or [0] * len(seqs))
+    scale = _slot_scales(seqs, logits.shape[1], first_slot)
     scaled = logits if scale is None else logits / scale.to(logits.device)[:, :, None]
     confidence = torch.softmax(scaled, dim=-1).gather(-1, tokens[:, :, None])[:, :, 0]
     for i, seq in enumerate(seqs):
@@ -241,6 +250,24 @@ def propose(
         tokens[i] = choice.to(tokens.device)
         confidence[i] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
     return tokens.tolist(), confidence.tolist()
+
+
+def _never_in_mask_slots(
+    logits: torch.Tensor, seqs: Sequence[DecodeState], first_slot: Sequence[int], mask_id: int | None
+) -> torch.Tensor:
+    """`logits` with the ids a mask slot must not propose at -inf, in the mask slots only."""
+    rows, width, vocab = logits.shape
+    banned = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
+    if mask_id is not None and mask_id < vocab:
+        banned[:, mask_id] = True
+    for row, seq in enumerate(seqs):
+        if seq.config.vocab_limit is not None:
+            banned[row, seq.config.vocab_limit :] = True
+    if not banned.any():
+        return logits
+    columns = torch.arange(width, device=logits.device)[None, :]
+    after = columns > torch.tensor(list(first_slot), device=logits.device)[:, None]
+    return logits.masked_fill(after[:, :, None] & banned[:, None, :], float("-inf"))
 
 
 def _slot_scales(seqs: Sequence[DecodeState], width: int, first_slot: Sequence[int]) -> torch.Tensor | None:
@@ -275,9 +302,27 @@ def decode_reference(
         ids = torch.tensor([context + [mask_id] * width], device=model.device)
         logits = model(input_ids=ids).logits[:, len(context) - 1 : len(context) - 1 + width]
         seq.forward_passes += 1
-        tokens, confidence = propose(logits, [seq])
+        tokens, confidence = propose(logits, [seq], mask_id=mask_id)
         seq.take(tokens[0][: config.window], confidence[0][: config.window])
     return seq.result()
+
+
+def _check_cacheable(config) -> None:
+    """Refuse a model whose attention this cache cannot express: every layer must attend to every valid
+    key through the 4D mask it is given (no sliding windows or hybrid layers, an implementation that
+    honours a 4D mask)."""
+    layers = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layers) or (
+        not layers and getattr(config, "sliding_window", None)
+    ):
+        raise ConfigError(
+            "model", f"{config.model_type}: sliding-window or hybrid attention layers are not supported"
+        )
+    if config._attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(
+            "attn_implementation",
+            f"{config._attn_implementation!r} ignores a 4D attention mask: use sdpa or eager",
+        )
 
 
 class RaggedCache:
@@ -288,6 +333,7 @@ class RaggedCache:
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
+        _check_cacheable(model.config)
         self.model = model
         self.device = model.device
         self.kv = DynamicCache(config=model.config)
@@ -341,6 +387,7 @@ class RaggedCache:
         from_end = self.valid.flip(1).to(torch.long).cumsum(dim=1).flip(1)  # valid keys at or after
         self.valid &= ~(from_end <= counts_t[:, None])
         self.next_position = self.next_position - counts_t
+        self.compact()
 
     def add_rows(self, count: int) -> None:
         """Append `count` empty rows (all holes)."""
@@ -406,12 +453,15 @@ def right_align(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 class SlidingDecoder:
     """Continuous multi-token decoding: every row accepts >= 1 token at every forward.
 
-    A step feeds each row `[uncached tokens | W-1 masks]`, right-aligned (holes on the left), so the masks
-    are always the last W-1 columns and one crop removes them from every row: no mask KV is ever kept.
-    The uncached tokens are last step's accepted ones, or a joining row's prompt. W is the widest window
-    in the batch; a row at tau >= 1 only reads slot 0. Rows that join while others run are prefilled in a
-    forward of their own first (all but their prompt's last token), so the running rows' forward stays
-    one window wide instead of widening to the longest new prompt.
+    A step runs named stages: propose (one forward of every row's `[uncached tokens | drafts | W-1 masks]`,
+    right-aligned with holes on the left, so the masks are always the last W-1 columns and one crop
+    removes them from every row: no mask KV is ever kept), accept (per row, by tau or, for a verifying
+    row, by agreement with the greedy predictions), advance (what the next forward feeds; finished rows
+    leave). The uncached tokens are last step's accepted ones, or a joining row's prompt; drafts are a
+    verifying row's carried proposals. W is the widest window in the batch; a row at tau >= 1 only reads
+    slot 0. Rows that join while others run are prefilled in a forward of their own first (all but their
+    prompt's last token), so the running rows' forward stays one window wide instead of widening to the
+    longest new prompt.
     """
 
     def __init__(self, model: PreTrainedModel, mask_id: int, pad_id: int = 0) -> None:
@@ -475,7 +525,8 @@ class SlidingDecoder:
         anchor = max(len(s.drafts) for s in self.seqs)
         device = self.cache.device
         logits = self.cache.forward(ids.to(device), real.to(device), keep, anchor + window)
-        tokens, confidence = propose(logits, self.seqs, first_slot=[anchor] * len(self.seqs))
+        first_slot = [anchor] * len(self.seqs)
+        tokens, confidence = propose(logits, self.seqs, first_slot, self.mask_id)
         return tokens, confidence, anchor
 
     def _accept(self, tokens: list[list[int]], confidence: list[list[float]], anchor: int) -> list[list[int]]:
@@ -616,7 +667,7 @@ def decode_block_cached(
         for seq in live:
             seq.forward_passes += 1
         slots = torch.cat([last[:, None], logits[:, :-1]], dim=1)
-        tokens, confidence = propose(slots, live, first_slot=filled)
+        tokens, confidence = propose(slots, live, filled, mask_id)
         for row, seq in enumerate(live):
             start = filled[row]
             if start == cache_block:

@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
-from mars_ray.serve.controller import TauController
+from mars_ray.serve.controller import OperatingPoint, TauController
 from mars_ray.serve.engine import Chunk, Engine, EngineMetrics, EngineStats, RequestError, SamplingParams
 from mars_ray.serve.policy import tau_first_policy
 from mars_ray.serve.schema import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
@@ -186,7 +186,10 @@ class EngineDeployment:
             self.controller = TauController(objective, time.monotonic())
         else:
             self.controller.reconfigure(objective)
-        self.engine.tau = self.controller.tau
+        self._operate(self.controller.point)
+
+    def _operate(self, point: OperatingPoint) -> None:
+        self.engine.tau, self.engine.verify = point.tau, point.verify
 
     async def _tick_forever(self) -> None:
         while True:
@@ -196,7 +199,7 @@ class EngineDeployment:
                 stats = self.engine.stats()
                 self.engine.refresh_gauges()
                 if self.controller:
-                    self.engine.tau = self.controller.update(stats, time.monotonic())
+                    self._operate(self.controller.update(stats, time.monotonic()))
                 await self.board.post.remote(self.replica, self.status(stats))
             except Exception:  # a missed tick must not stop the next one
                 logger.exception("controller tick failed")
@@ -213,7 +216,7 @@ class EngineDeployment:
         if self.controller is None:
             return {}
         state = self.controller.state
-        flags = ("over_objective", "low_load", "at_floor", "at_ceiling")
+        flags = ("verify", "over_objective", "low_load", "at_floor", "at_ceiling")
         return {"tau": state.tau, "goodput": state.goodput, **{f: float(getattr(state, f)) for f in flags}}
 
     async def chat(self, messages: list[dict], params: SamplingParams) -> AsyncIterator[Chunk]:

@@ -17,6 +17,13 @@ class TauObjective(BaseModel):
     tau_min: float = Field(0.7, gt=0, le=1, description="quality floor: the controller never goes below")
     tau_max: float = Field(1.0, gt=0, le=1, description="quality ceiling: where an idle replica sits")
     tau_step: float = Field(0.05, gt=0, le=1)
+    verify_tau: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="a lossless first step under load: verified decoding carrying proposals this confident"
+        " (needs tau_max 1.0; None: no such step)",
+    )
     metric: Literal["queue_depth", "ttft_p95", "itl_p95"] = "queue_depth"
     target: float = Field(4.0, gt=0, description="objective: waiting requests, or seconds for latencies")
     low_fraction: float = Field(0.5, ge=0, lt=1, description="raise tau below low_fraction x target")
@@ -42,6 +49,11 @@ class ModelConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
+    verify: bool = Field(
+        False,
+        description="operating mode for greedy requests that do not set `verify`: verified (lossless)"
+        " decoding, where tau only picks the proposals checked",
+    )
     block_size: int | None = Field(
         None, ge=1, description="window for requests that do not set their own; default: the trained B"
     )

@@ -47,11 +47,12 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for. `tau` / `block_size` None: follow the replica's operating point."""
+    """What a request asks for. `tau` / `block_size` / `verify` None: follow the replica's operating point."""
 
     max_tokens: int | None = None
     tau: float | None = None
     block_size: int | None = None
+    verify: bool | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -68,6 +69,8 @@ class Chunk:
     forward_passes: int
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
     token_ids: list[int] = dataclasses.field(default_factory=list)  # decoded since the last chunk
+    tau: float = 1.0  # the operating point the request decoded at, as of this chunk
+    mode: str = "ar"  # "ar" (one token per forward), "mars" (lossy, tau < 1) or "verify" (lossless)
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk followed by a later one, as one chunk."""
@@ -96,6 +99,7 @@ class EngineStats:
     generated_tokens: int  # totals since start
     forward_passes: int
     finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
+    verify: bool = False  # the operating mode: verified decoding for greedy requests that do not choose
 
 
 class EngineMetrics:
@@ -136,7 +140,11 @@ class _Request:
         s = self.state
         reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
         tokens, self.unsent = self.unsent, []
-        return Chunk(text, len(s.prompt), len(s.tokens), s.forward_passes, reason, tokens)
+        # Tokens accepted in the same forward past a stop string were decoded but are not the completion.
+        completion = self.text.stop_tokens if self.text.stopped else len(s.tokens)
+        config = s.config
+        mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
+        return Chunk(text, len(s.prompt), completion, s.forward_passes, reason, tokens, config.tau, mode)
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -171,7 +179,7 @@ class Engine:
                 "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
             )
         self.decoder = SlidingDecoder(model, tokenizer.mask_token_id, tokenizer.pad_token_id)
-        self._tau, self._block_size = config.tau, self.decode.block_size
+        self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
         self._cancelled: list[_Request] = []
@@ -195,7 +203,8 @@ class Engine:
         model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
         return cls(model, tokenizer, config, metrics)
 
-    # The operating point: requests without their own tau / block_size follow it from the next forward.
+    # The operating point: requests without their own tau / block_size / verify follow it from the next
+    # forward.
     @property
     def tau(self) -> float:
         return self._tau
@@ -206,6 +215,14 @@ class Engine:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         self._tau = tau
         self.metrics.tau(tau)
+
+    @property
+    def verify(self) -> bool:
+        return self._verify
+
+    @verify.setter
+    def verify(self, verify: bool) -> None:
+        self._verify = verify
 
     @property
     def block_size(self) -> int:
@@ -229,13 +246,18 @@ class Engine:
         try:
             yield request.chunk("")
             while True:
-                item = await request.outbox.get()
+                item, failure = await request.outbox.get(), None
                 while isinstance(item, Chunk) and not request.outbox.empty():
                     later = request.outbox.get_nowait()  # a slow reader gets what piled up as one chunk
-                    item = item.then(later) if isinstance(later, Chunk) else later
+                    if isinstance(later, BaseException):
+                        failure = later  # after the text merged so far, which is not lost
+                        break
+                    item = item.then(later)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                if failure is not None:
+                    raise failure
                 if item.finish_reason:
                     return
         finally:
@@ -270,6 +292,7 @@ class Engine:
                 self.decode,
                 tau=self._tau if params.tau is None else params.tau,
                 block_size=block_size,
+                verify=self._verify_for(params),
                 max_new_tokens=max_tokens,
                 temperature=params.temperature,
                 top_p=params.top_p,
@@ -279,6 +302,12 @@ class Engine:
             field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
             raise RequestError(error.message, field) from None
         return _Request(DecodeState(prompt, config), TextStream(self.tokenizer, params.stop), params)
+
+    def _verify_for(self, params: SamplingParams) -> bool:
+        """A request's own choice; else the replica's mode, where it applies (verification is greedy)."""
+        if params.verify is not None:
+            return params.verify
+        return self._verify and params.temperature == 0
 
     async def warm_up(self) -> None:
         """One short request through the whole path, a MARS window included, before reporting ready."""
@@ -292,11 +321,20 @@ class Engine:
         self.metrics.load(len(self._waiting), len(self._running))
 
     async def close(self) -> None:
-        """Stop the decode loop and its thread (the engine is done; running requests are dropped)."""
+        """Stop the decode loop and its thread. Every waiting and running request ends at once with an
+        error (no reader is left waiting for a chunk that will never come)."""
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        for request in [*self._waiting, *self._running.values()]:
+            if request.finish_reason is None:
+                request.finish_reason = "error"
+                request.outbox.put_nowait(RuntimeError("the engine shut down"))
+                self._finished["error"] += 1
+                self.metrics.finished("error")
+        self._waiting.clear()
+        self._running.clear()
         if self._own_executor:
             self._executor.shutdown(wait=True)
 
@@ -324,6 +362,7 @@ class Engine:
             generated_tokens=self._generated,
             forward_passes=self._forwards,
             finished=dict(self._finished),
+            verify=self._verify,
         )
 
     def _forget_before(self, horizon: float) -> None:
@@ -381,8 +420,11 @@ class Engine:
             config = request.state.config
             tau = self._tau if request.params.tau is None else request.params.tau
             block_size = self._block_size if request.params.block_size is None else request.params.block_size
-            if (config.tau, config.block_size) != (tau, block_size):
-                request.state.config = dataclasses.replace(config, tau=tau, block_size=block_size)
+            verify = self._verify_for(request.params)
+            if (config.tau, config.block_size, config.verify) != (tau, block_size, verify):
+                request.state.config = dataclasses.replace(
+                    config, tau=tau, block_size=block_size, verify=verify
+                )
 
     def _deliver(self, rows: list[_Request], accepted: list[list[int]], now: float) -> None:
         """Each row's new tokens become text; finished rows are answered and leave."""

@@ -32,18 +32,28 @@ class RequestRecord:
     first_token: float | None  # when the first text arrived
     finished: float
     completion_tokens: int
-    forward_passes: int
+    forward_passes: int | None  # None: a peer that does not report it
 
     @property
     def latency(self) -> float:
         return self.finished - self.started
 
+    @property
+    def inter_token(self) -> float | None:
+        """Mean seconds between tokens after the first: what a reader of the stream waits."""
+        if self.first_token is None or self.completion_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.completion_tokens - 1)
+
 
 @dataclass
 class Setting:
+    """One way of being served: the body fields it adds, and where (None: the app under test)."""
+
     label: str
-    tau: float
-    block_size: int
+    fields: dict
+    url: str | None = None
+    model: str | None = None
 
 
 async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
@@ -62,7 +72,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> Reques
                 first = time.perf_counter()
             usage = event.get("usage") or usage
     return RequestRecord(
-        started, first, time.perf_counter(), usage["completion_tokens"], usage["forward_passes"]
+        started, first, time.perf_counter(), usage["completion_tokens"], usage.get("forward_passes")
     )
 
 
@@ -96,30 +106,41 @@ def summarize(label: str, records: list[RequestRecord], wall: float) -> dict:
     tokens = sum(r.completion_tokens for r in records)
     latencies = [r.latency for r in records]
     ttft = [r.first_token - r.started for r in records if r.first_token is not None]
+    itl = [i for r in records if (i := r.inter_token) is not None]
     return {
         "setting": label,
         "requests": len(records),
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
-        "tokens_per_forward": tokens / max(1, sum(r.forward_passes for r in records)),
+        "tokens_per_forward": (
+            tokens / max(1, sum(r.forward_passes for r in records))
+            if all(r.forward_passes is not None for r in records)
+            else float("nan")
+        ),
         "latency_p50_s": percentile(latencies, 0.5),
         "latency_p95_s": percentile(latencies, 0.95),
         "ttft_p50_s": percentile(ttft, 0.5) if ttft else float("nan"),
         "ttft_p95_s": percentile(ttft, 0.95) if ttft else float("nan"),
+        "itl_p50_s": percentile(itl, 0.5) if itl else float("nan"),
+        "itl_p95_s": percentile(itl, 0.95) if itl else float("nan"),
     }
 
 
 def table(rows: list[dict]) -> str:
     header = (
-        "| setting | requests | tokens | tokens/s | tok/fwd | latency p50 s | p95 s | TTFT p50 s | p95 s |"
+        "| setting | requests | tokens | tokens/s | x AR | tok/fwd | latency p50 s | p95 s "
+        "| TTFT p50 s | p95 s | ITL p50 s | p95 s |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = rows[0]["tokens_per_s"] if rows else float("nan")  # the AR baseline comes first
     for r in rows:
+        itl = [r.get("itl_p50_s", float("nan")), r.get("itl_p95_s", float("nan"))]
         lines.append(
             f"| {r['setting']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
+            f"{r['tokens_per_s'] / base:.2f} | "
             f"{r['tokens_per_forward']:.2f} | {r['latency_p50_s']:.2f} | {r['latency_p95_s']:.2f} | "
-            f"{r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} |"
+            f"{r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | {itl[0]:.4f} | {itl[1]:.4f} |"
         )
     return "\n".join(lines)
 
@@ -168,16 +189,18 @@ def measure(url: str, name: str, settings: list[Setting], chats: list[list[dict]
     """Warm every setting up, then let the settings take turns, round by round, each on its share of the
     prompts: a shared machine's load drifts, and this way every setting meets the same drift."""
     for setting in settings:
-        extra = {"tau": setting.tau, "block_size": setting.block_size}
-        asyncio.run(
-            run_clients(url, [{"model": name, "messages": chats[0], "max_tokens": 8, **extra}] * 2, 2)
-        )
+        target, model = setting.url or url, setting.model or name
+        warm = {"model": model, "messages": chats[0], "max_tokens": 8, **setting.fields}
+        asyncio.run(run_clients(target, [warm] * 2, 2))
     results = {setting.label: ([], 0.0) for setting in settings}
     for round_index in range(args.rounds):
         for setting in settings:
-            extra = {"tau": setting.tau, "block_size": setting.block_size, "max_tokens": args.max_tokens}
-            bodies = [{"model": name, "messages": m, **extra} for m in chats[round_index :: args.rounds]]
-            records, wall = asyncio.run(run_clients(url, bodies, args.concurrency))
+            target, model = setting.url or url, setting.model or name
+            extra = {**setting.fields, "max_tokens": args.max_tokens}
+            if setting.url:  # a peer: the same budget, exactly (it may not stop at EOS otherwise)
+                extra |= {"temperature": 0}
+            bodies = [{"model": model, "messages": m, **extra} for m in chats[round_index :: args.rounds]]
+            records, wall = asyncio.run(run_clients(target, bodies, args.concurrency))
             done, seconds = results[setting.label]
             results[setting.label] = (done + records, seconds + wall)
             speed = sum(r.completion_tokens for r in records) / wall
@@ -224,6 +247,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9])
     parser.add_argument("--block-size", type=int, default=4, help="the MARS window (the training block size)")
+    parser.add_argument(
+        "--verify-taus", type=float, nargs="*", default=[], help="verified MARS at these taus"
+    )
+    parser.add_argument(
+        "--peer-url", help="an OpenAI server of a peer (e.g. vLLM) on 127.0.0.1, same prompts"
+    )
+    parser.add_argument("--peer-name", help="the model name the peer serves")
+    parser.add_argument("--peer-label", default="peer", help="the peer's row in the table")
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
     parser.add_argument("--port", type=int, default=8124)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
@@ -236,10 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default
 
     chats = heldout_chats(args.source, args.requests)
-    settings = [Setting("AR baseline (KV cache, block_size=1)", 1.0, 1)]
+    window = args.block_size
+    settings = [Setting("AR baseline (KV cache, block_size=1)", {"tau": 1.0, "block_size": 1})]
     settings += [
-        Setting(f"MARS tau={tau} (block_size={args.block_size})", tau, args.block_size) for tau in args.taus
+        Setting(f"MARS tau={tau} (block_size={window})", {"tau": tau, "block_size": window})
+        for tau in args.taus
     ]
+    settings += [
+        Setting(
+            f"MARS verified, tau={tau} (block_size={window})",
+            {"tau": tau, "block_size": window, "verify": True},
+        )
+        for tau in args.verify_taus
+    ]
+    if args.peer_url:
+        settings.append(Setting(args.peer_label, {}, args.peer_url, args.peer_name))
     url = args.url or start_server(args)
     name = args.model_name if args.url else "bench"
     try:

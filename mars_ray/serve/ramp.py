@@ -48,6 +48,7 @@ class Sample:
     tau: float | None
     replicas: int
     waiting: int
+    verified: float = 0.0  # the share of replicas at the verified (lossless) operating point
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Record:
@@ -100,9 +101,11 @@ async def ramp(
                 except (httpx.HTTPError, ValueError):
                     status = {}
                 taus = [s.get("controller", {}).get("tau", s["stats"]["tau"]) for s in status.values()]
+                verified = [s.get("controller", {}).get("verify", False) for s in status.values()]
                 waiting = sum(s["stats"]["waiting"] for s in status.values())
                 tau = sum(taus) / len(taus) if taus else None
-                samples.append(Sample(time.perf_counter(), level, tau, len(status), waiting))
+                share = sum(verified) / len(verified) if verified else 0.0
+                samples.append(Sample(time.perf_counter(), level, tau, len(status), waiting, share))
                 await asyncio.sleep(0.5)
 
         tasks = [asyncio.create_task(run_client(i)) for i in range(max(args.levels))]
@@ -137,6 +140,7 @@ def summarize(mode: str, records: list[Record], samples: list[Sample], start: fl
         [(s.at, s.tau) for s in samples if s.tau is not None and s.at <= loaded_until]
     )
     final = [s.tau for s in samples if s.tau is not None]
+    verified = time_weighted_mean([(s.at, s.verified) for s in samples if s.at <= loaded_until])
     return {
         "mode": mode,
         "requests": len(loaded),
@@ -146,6 +150,7 @@ def summarize(mode: str, records: list[Record], samples: list[Sample], start: fl
         "peak_per_token_p50_s": percentile(per_token, 0.5) if per_token else float("nan"),
         "peak_per_token_p95_s": percentile(per_token, 0.95) if per_token else float("nan"),
         "mean_tau": weighted,
+        "verified_share": verified,
         "final_tau": final[-1] if final else float("nan"),
         "max_replicas": max((s.replicas for s in samples), default=0),
     }
@@ -154,15 +159,16 @@ def summarize(mode: str, records: list[Record], samples: list[Sample], start: fl
 def table(rows: list[dict], target: float) -> str:
     lines = [
         "| mode | requests | tokens/s | p50 latency s | p95 latency s | p50 s/token | p95 s/token "
-        f"| p95 vs objective ({target:g} s/token) | mean tau | tau after load | replicas |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| p95 vs objective ({target:g} s/token) | mean tau | verified | tau after load | replicas |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['peak_latency_p50_s']:.2f} "
             f"| {r['peak_latency_p95_s']:.2f} | {r['peak_per_token_p50_s']:.4f} "
             f"| {r['peak_per_token_p95_s']:.4f} "
-            f"| {r['peak_per_token_p95_s'] / target:.2f}x | {r['mean_tau']:.3f} | {r['final_tau']:.2f} "
+            f"| {r['peak_per_token_p95_s'] / target:.2f}x | {r['mean_tau']:.3f} "
+            f"| {100 * r['verified_share']:.0f}% | {r['final_tau']:.2f} "
             f"| {r['max_replicas']} |"
         )
     return "\n".join(lines)
@@ -234,6 +240,7 @@ def serve_mode(mode: str, args: argparse.Namespace) -> str:
             "target": args.target,
             "patience": 2,
             "interval_s": 1.0,
+            "verify_tau": args.verify_tau,
         }
     else:
         model["tau"] = 1.0 if mode == "tau=1.0" else args.tau_min
@@ -252,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tau-step", type=float, default=0.05)
     parser.add_argument("--target", type=float, default=0.03, help="objective: p95 seconds per token")
     parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument(
+        "--verify-tau", type=float, help="the controller's lossless first step: verified decoding at this tau"
+    )
     parser.add_argument("--num-cpus", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8125)
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")

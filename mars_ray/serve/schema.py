@@ -1,7 +1,8 @@
 """The OpenAI wire format: request bodies (validated, 400 on a bad field) and response objects.
 
 Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `n`, which
-must be 1. MARS adds `tau` and `block_size` (the `openai` client sends them through `extra_body`).
+must be 1. MARS adds `tau`, `block_size` and `verify` (the `openai` client sends them through
+`extra_body`); `usage` adds `forward_passes`, the `tau` and the `mode` the request ran at.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class _Request(BaseModel):
     seed: int | None = None
     tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
     block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
+    verify: bool | None = Field(
+        None, description="MARS verified decoding: exactly greedy at any tau (tau picks the proposals)"
+    )
 
     @field_validator("n")
     @classmethod
@@ -73,6 +77,7 @@ class _Request(BaseModel):
             max_tokens=max_tokens,
             tau=self.tau,
             block_size=self.block_size,
+            verify=self.verify,
             temperature=0.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
@@ -121,6 +126,8 @@ def usage(chunk: Chunk) -> dict:
         "completion_tokens": chunk.completion_tokens,
         "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
         "forward_passes": chunk.forward_passes,
+        "tau": chunk.tau,
+        "mode": chunk.mode,
     }
 
 

@@ -23,6 +23,9 @@ class TextStream:
         self.text = ""  # decoded so far: what may be released, plus what is held back
         self.released = 0  # characters of `text` given out
         self.stopped = False  # a stop string was found
+        self.stop_tokens: int | None = (
+            None  # once stopped: the tokens up to the one that ends the stop string
+        )
         self._settled = 0  # text[:_settled] is ids[:_decoded] decoded; the rest may still change
         self._context = 0  # ids[_context:_decoded]: context for decoding the next tokens
         self._decoded = 0
@@ -54,10 +57,13 @@ class TextStream:
         if self.stopped:
             return ""
         # Held-back text never contains a stop string's start, so a match begins at `released` or later.
-        hits = [i for i in (self.text.find(s, self.released) for s in self.stop) if i >= 0]
+        hits = [
+            (i, i + len(s)) for i, s in ((self.text.find(s, self.released), s) for s in self.stop) if i >= 0
+        ]
         if hits:
-            end = min(hits)
+            end, stop_end = min(hits)
             self.stopped = True
+            self.stop_tokens = self._tokens_through(stop_end)
         elif final:
             end = len(self.text)
         else:
@@ -65,6 +71,17 @@ class TextStream:
         out = self.text[self.released : end]
         self.released = max(self.released, end)
         return out
+
+    def _tokens_through(self, characters: int) -> int:
+        """The fewest leading tokens whose text reaches `characters` (binary search over prefixes)."""
+        low, high = 1, len(self.ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.tokenizer.decode(self.ids[:middle], skip_special_tokens=True)) >= characters:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _stop_prefix_length(self) -> int:
         """Length of the longest unreleased tail that a stop string starts with."""

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The real model, end to end on this machine: SmolLM2-135M-Instruct MARS-trained on Ray Train from its own
+# distilled replies (configs/smollm2-cpu.yaml), calibrated, then measured against the untouched instruct
+# model. Every step skips what is already done, so rerunning the same command resumes where it stopped.
+#
+#   bash scripts/real_model.sh              # about 4 hours on 2 CPU cores; logs under $MARS_RAY_HOME/logs
+#
+# Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final and the reports beside it in
+# $MARS_RAY_HOME/runs/smollm2-cpu/reports/. Run `bash scripts/setup.sh` first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+home=$(realpath -m "${MARS_RAY_HOME:-$HOME/.cache/mars-ray}")
+export MARS_RAY_HOME=$home RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+bin=.venv/bin
+run=$home/runs/smollm2-cpu
+distilled=$home/distill/smollm2-chatterbot
+reports=$run/reports
+mkdir -p "$reports"
+started=$(date +%s)
+phase() { echo "[real_model] $1: $(($(date +%s) - started)) s"; }
+
+phase "prepare"
+$bin/mars-ray prepare --model smollm2-135m
+
+phase "distill"   # resumable: finished shards are skipped
+$bin/mars-ray distill --model smollm2-135m --prompts chatterbot-prompts chatterbot --max-new-tokens 96 \
+  --batch-size 48 --shard-size 128 --output "$distilled"
+
+phase "train"     # resumable: the run continues from its last checkpoint
+$bin/mars-ray train --config configs/smollm2-cpu.yaml "datasets=[$distilled, tasks]" output_dir="$home/runs"
+
+final=$run/mars/final
+phase "plain transformers loads it"
+$bin/python -c "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1])
+print(type(m).__name__, m.num_parameters(), 'parameters; B =', m.config.mars_block_size, '; mask', t.mask_token)" "$final"
+
+phase "learning curve"
+[ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
+  --sources chatterbot tasks --output "$reports/curve.json"
+
+phase "calibrate"
+[ -f "$final/calibration.json" ] || $bin/mars-ray calibrate --model "$final" --plot "$reports/reliability.png"
+
+phase "eval"
+[ -f "$reports/eval.json" ] || $bin/mars-ray eval --model "$final" --baseline smollm2-135m --check-greedy \
+  --batch-size 32 --output "$reports/eval.json" --plot "$reports/pareto.png"
+
+for dtype in bfloat16 float32; do
+  phase "bench forward $dtype"
+  [ -f "$reports/forward-$dtype.json" ] || $bin/mars-ray bench forward --model "$final" --dtype $dtype \
+    --steps 24 --output "$reports/forward-$dtype.json"
+  phase "bench decode $dtype"
+  [ -f "$reports/decode-$dtype.json" ] || $bin/mars-ray bench decode --model "$final" --baseline smollm2-135m \
+    --dtype $dtype --prompts 16 --batch-sizes 1 4 --methods ar ar-sliding prompt-lookup mars-cached mars-verify \
+    --repeats 3 --output "$reports/decode-$dtype.json"
+done
+phase "done"
+echo "[real_model] checkpoint: $final; reports: $reports"
