@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The paper's proof on a real instruct model, in one go: AR SFT then MARS on SmolLM2-135M-Instruct (the offline
-# preset) over the bundled data on Ray Train, then the tau sweep (`mars-ray eval`, MARS against its AR-SFT
-# control), the decode benchmark (`mars-ray bench decode`) and the cost of a window (`mars-ray bench forward`),
-# each writing JSON under OUT.
+# preset) over the bundled data on Ray Train, then the tau sweep (`mars-ray eval`: agreement with the untouched
+# instruct model, lossy and verified), the decode benchmark (`mars-ray bench decode`, against HF generate on
+# the base model) and the cost of a window (`mars-ray bench forward`), each writing JSON under OUT.
 #
 #   bash scripts/gpu_bench.sh [OUT]        # default OUT: results/gpu-bench; about 10 minutes on one GPU
 #
@@ -38,11 +38,12 @@ $bin/mars-ray train --config configs/smollm2.yaml name=gpu-bench output_dir="$ou
 run="$out/runs/gpu-bench"
 
 phase "eval"
-$bin/mars-ray eval --model "$run/mars/final" --baseline "$run/ar-sft/final" --device "$device" \
+$bin/mars-ray eval --model "$run/mars/final" --baseline smollm2-135m --modes lossy verify --device "$device" \
   "${evaluate[@]}" --output "$out/eval.json" --plot "$out/pareto.png"
 
 phase "bench decode"
-$bin/mars-ray bench decode --model "$run/mars/final" --device "$device" "${bench[@]}" --output "$out/decode.json"
+$bin/mars-ray bench decode --model "$run/mars/final" --baseline smollm2-135m --device "$device" "${bench[@]}" \
+  --output "$out/decode.json"
 
 phase "bench forward"
 $bin/mars-ray bench forward --model "$run/mars/final" --device "$device" "${forward[@]}" --output "$out/forward.json"

@@ -41,3 +41,13 @@ def test_config_names_and_checks():
             ModelConfig(model="tiny", **bad)
     with pytest.raises(ValidationError, match="unique"):
         AppConfig(models=[{"model": "tiny"}, {"model": "tiny"}])
+
+
+def test_api_key_from_config_or_environment_and_never_shown(monkeypatch):
+    config = AppConfig(models=[{"model": "tiny"}], api_key="sk-secret")
+    assert config.api_key.get_secret_value() == "sk-secret"
+    assert "sk-secret" not in repr(config) and "sk-secret" not in config.model_dump_json()
+    monkeypatch.setenv("MARS_RAY_API_KEY", "sk-from-env")
+    assert AppConfig(models=[{"model": "tiny"}]).api_key.get_secret_value() == "sk-from-env"
+    monkeypatch.delenv("MARS_RAY_API_KEY")
+    assert AppConfig(models=[{"model": "tiny"}]).api_key is None

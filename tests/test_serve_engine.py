@@ -341,3 +341,20 @@ def test_cache_refuses_attention_it_cannot_hold():
     with pytest.raises(ConfigError) as error:
         RaggedCache(model)
     assert error.value.field == "attn_implementation"
+
+
+def test_stream_interval_coalesces_chunks_without_changing_text(tiny):
+    _, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run(interval):
+        engine = make_engine(tiny, stream_interval_s=interval)
+        chunks = [c async for c in engine.generate(prompt, SamplingParams(max_tokens=40))]
+        await engine.close()
+        return chunks
+
+    per_forward, coalesced = asyncio.run(run(0.0)), asyncio.run(run(0.05))
+    assert "".join(c.text for c in coalesced) == "".join(c.text for c in per_forward)
+    assert [t for c in coalesced for t in c.token_ids] == [t for c in per_forward for t in c.token_ids]
+    assert len(coalesced) < len(per_forward) / 2  # 40 forwards: a chunk each without the interval
+    assert coalesced[-1].completion_tokens == 40 and coalesced[-1].finish_reason == "length"

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import ray
+import torch
 from pydantic import ValidationError
 
 from mars_ray.train.config import TrainConfig, load_config
@@ -79,3 +80,14 @@ def test_a_rerun_must_keep_the_config(tmp_path, no_worker_starts):
     )
     with pytest.raises(ValueError, match="other values for lr"):
         run_training(TrainConfig(**config, lr=2e-3))
+
+
+def test_auto_precision_is_bf16_only_where_it_is_native(monkeypatch):
+    config = TrainConfig(model="tiny")
+    assert config.autocast_dtype("cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert config.autocast_dtype("cpu") is None  # emulated bf16 would be slower than fp32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert config.autocast_dtype("cpu") == torch.bfloat16
+    assert TrainConfig(model="tiny", precision="fp32").autocast_dtype("cuda") is None
+    assert TrainConfig(model="tiny", precision="bf16").autocast_dtype("cpu") == torch.bfloat16

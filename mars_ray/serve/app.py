@@ -24,6 +24,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import SecretStr
 from ray import serve
 from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
@@ -32,6 +33,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from mars_ray.data import chat_prompt_ids
+from mars_ray.serve import access
 from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
 from mars_ray.serve.controller import OperatingPoint, TauController
 from mars_ray.serve.engine import Chunk, Engine, EngineMetrics, EngineStats, RequestError, SamplingParams
@@ -40,6 +42,7 @@ from mars_ray.serve.schema import ChatCompletionRequest, CompletionRequest, Resp
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="mars-ray", description="OpenAI-compatible serving of MARS multi-token models")
+api.middleware("http")(access.check_access)
 
 
 class UnknownModel(LookupError):
@@ -248,9 +251,16 @@ def _event(data: dict | str) -> str:
 class OpenAIIngress:
     """The HTTP face: OpenAI routes, one engine deployment handle per served model."""
 
-    def __init__(self, engines: dict[str, DeploymentHandle], board: DeploymentHandle) -> None:
+    def __init__(
+        self,
+        engines: dict[str, DeploymentHandle],
+        board: DeploymentHandle,
+        api_key: SecretStr | None = None,
+        cors_origins: Sequence[str] = (),
+    ) -> None:
         self.engines, self.board = engines, board
         self.created = int(time.time())
+        access.configure(api_key.get_secret_value() if api_key else None, cors_origins)
 
     def _engine(self, model: str) -> DeploymentHandle:
         if model not in self.engines:
@@ -355,7 +365,7 @@ def build_app(args: dict | AppConfig) -> Application:
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
-    ).bind(engines, board)
+    ).bind(engines, board, config.api_key, config.cors_origins)
 
 
 def _engine_deployment(model: ModelConfig):

@@ -26,6 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-replicas", type=int, default=1)
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved per replica")
     parser.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1 routes (default: $MARS_RAY_API_KEY; neither: open)",
+    )
+    parser.add_argument("--cors-origin", action="append", default=[], help="a browser origin allowed (CORS)")
+    parser.add_argument(
         "--ray-address",
         help="Ray cluster to use (default: a running one, else a new local one; 'local': new)",
     )
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _stop)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(AppConfig(models=[model])), name="mars", route_prefix="/")
+        app = AppConfig(models=[model], api_key=args.api_key, cors_origins=args.cors_origin)
+        serve.run(build_app(app), name="mars", route_prefix="/")
         print(
             f"serving {model.served_name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True
         )

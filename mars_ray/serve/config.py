@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+API_KEY_VARIABLE = "MARS_RAY_API_KEY"
 
 
 class TauObjective(BaseModel):
@@ -68,6 +71,13 @@ class ModelConfig(BaseModel):
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
     torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
+    stream_interval_s: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="after a request's first text, the text of this interval crosses to the ingress as one"
+        " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward",
+    )
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
@@ -126,6 +136,20 @@ class AppConfig(BaseModel):
     models: list[ModelConfig] = Field(min_length=1)
     ingress_num_cpus: float = Field(0.1, gt=0)
     ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    api_key: SecretStr | None = Field(
+        None,
+        validate_default=True,
+        description="required as `Authorization: Bearer KEY` on every /v1 route (default: the"
+        " MARS_RAY_API_KEY environment variable; neither: open)",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description="browser origins allowed to call the API (none: CORS off)"
+    )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key_from_environment(cls, key):
+        return key if key is not None else os.environ.get(API_KEY_VARIABLE) or None
 
     @field_validator("models")
     @classmethod

@@ -238,15 +238,19 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
     ) -> AsyncIterator[Chunk]:
         """Stream one request: first an empty chunk once it is accepted (with its prompt length), then
-        a chunk per forward that produced text, the last one with its `finish_reason`. Closing the
-        iterator early (a client that went away) cancels the request and frees its row."""
+        a chunk per forward that produced text (with `stream_interval_s`, after the first text, the chunks
+        of that interval as one), the last one with its `finish_reason`. Closing the iterator early (a
+        client that went away) cancels the request and frees its row."""
         request = self._new_request(list(prompt), params, prompt_field)
         self._waiting.append(request)
         self._start()
+        interval, sent_text = self.config.stream_interval_s, False
         try:
             yield request.chunk("")
             while True:
                 item, failure = await request.outbox.get(), None
+                if interval and sent_text and isinstance(item, Chunk) and not item.finish_reason:
+                    await asyncio.sleep(interval)  # what the next forwards add goes out with it, as one
                 while isinstance(item, Chunk) and not request.outbox.empty():
                     later = request.outbox.get_nowait()  # a slow reader gets what piled up as one chunk
                     if isinstance(later, BaseException):
@@ -256,6 +260,7 @@ class Engine:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
+                sent_text = True
                 if failure is not None:
                     raise failure
                 if item.finish_reason:
