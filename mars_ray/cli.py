@@ -1,4 +1,8 @@
-"""`mars-ray`: a thin command line; each subcommand lives beside the code it drives."""
+"""`mars-ray`: a thin command line; each subcommand lives beside the code it drives.
+
+Commands that do not need Ray (generate, eval, calibrate, bench, prepare) run where it is not installed,
+such as a lent GPU machine with no package registry: the others import it when they run.
+"""
 
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Literal
 
-import ray
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
@@ -34,7 +33,8 @@ from mars_ray import cli_args, data, models
 from mars_ray.core.decoding import DecodeConfig, decode_continuous
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
-RESUMABLE_CHANGES = {"num_workers", "cpus_per_worker", "batch_size"}  # do not change a reply
+# Where and how wide the decoding runs: not what it writes (up to near-ties in the kernels' arithmetic).
+RESUMABLE_CHANGES = {"num_workers", "cpus_per_worker", "batch_size", "device"}
 
 
 class DistillConfig(BaseModel):
@@ -52,6 +52,7 @@ class DistillConfig(BaseModel):
     limit: int | None = Field(default=None, ge=1, description="only the first N distinct prompts")
     num_workers: int = Field(default=1, ge=1, description="Ray actors, each with the model loaded")
     cpus_per_worker: int = Field(default=2, ge=1, description="CPUs (torch threads) per actor")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="where actors decode (cuda: one GPU)")
 
     @field_validator("output")
     @classmethod
@@ -96,7 +97,9 @@ class Distiller:
 
         torch.set_num_threads(config.cpus_per_worker)
         dtype = DTYPES[config.dtype]
-        self.model, self.tokenizer = models.load(config.model, dtype=getattr(torch, dtype) if dtype else None)
+        self.model, self.tokenizer = models.load(
+            config.model, dtype=getattr(torch, dtype) if dtype else None, device=config.device
+        )
         self.decode = DecodeConfig.for_model(
             self.model, self.tokenizer, tau=1.0, max_new_tokens=config.max_new_tokens
         )
@@ -162,9 +165,12 @@ def distill(config: DistillConfig) -> Path:
     )
     began = time.perf_counter()
     if todo:
+        import ray  # here, not at the top: `Distiller` alone runs where Ray is not installed
+
         if not ray.is_initialized():
             ray.init()
-        worker = ray.remote(num_cpus=config.cpus_per_worker)(Distiller)
+        gpus = 1 if config.device == "cuda" else 0
+        worker = ray.remote(num_cpus=config.cpus_per_worker, num_gpus=gpus)(Distiller)
         pool = ray.util.ActorPool([worker.remote(config) for _ in range(min(config.num_workers, len(todo)))])
         jobs = pool.map_unordered(lambda actor, i: actor.shard.remote(i, shards[i]), todo)
         bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", desc="distill")

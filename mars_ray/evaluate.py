@@ -194,6 +194,17 @@ class ModelUnderTest:
     def __init__(self, path: str, config: EvalConfig) -> None:
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         self.model, self.tokenizer = models.load(path, dtype=dtype, device=config.device)
+        self._configure(config)
+
+    @classmethod
+    def in_memory(cls, model, tokenizer, config: EvalConfig) -> ModelUnderTest:
+        """A model already loaded (a training run's live weights), put in eval mode."""
+        under_test = cls.__new__(cls)
+        under_test.model, under_test.tokenizer = model.eval(), tokenizer
+        under_test._configure(config)
+        return under_test
+
+    def _configure(self, config: EvalConfig) -> None:
         self.base = DecodeConfig.for_model(
             self.model,
             self.tokenizer,
@@ -239,6 +250,32 @@ class ModelUnderTest:
             for prompt, expected, mine in zip(chunk, generate(chunk), got, strict=True):
                 mismatches += expected != mine and generate([prompt])[0] != mine
         return mismatches
+
+
+def curve_point(
+    under_test: ModelUnderTest,
+    prompts: dict[str, list[list[int]]],
+    reference: dict[str, list[str]],
+    answers: list[str] | None,
+    tau: float,
+) -> dict:
+    """One point of a learning curve, per source: tokens per forward at `tau` (raw confidences), its
+    agreement (exact, similarity) with the model's own tau = 1 reply, and of both with the base model's
+    reply (`reference`); for tasks, exact-match accuracy at tau = 1 and at `tau`."""
+    point = {}
+    for source, source_prompts in prompts.items():
+        greedy = under_test.decode(source_prompts, 1.0, "raw")
+        fast = under_test.decode(source_prompts, tau, "raw")
+        point[source] = {
+            "tokens_per_forward": fast.tokens_per_forward,
+            "acceptance": acceptance_rates(fast.results, under_test.base.block_size),
+            "self": agreement(fast.texts, greedy.texts),
+            "base_greedy": agreement(greedy.texts, reference[source]),
+            "base": agreement(fast.texts, reference[source]),
+        }
+        if source == "tasks" and answers is not None:
+            point[source]["accuracy"] = [agreement(run.texts, answers)[0] for run in (greedy, fast)]
+    return point
 
 
 def _score_model(

@@ -10,13 +10,11 @@ import argparse
 import time
 from pathlib import Path
 
-import ray
 import transformers
 
 from mars_ray import models
 from mars_ray.evaluate import EvalConfig, evaluate
 from mars_ray.train.config import load_config
-from mars_ray.train.run import run_training
 
 QUICKSTART_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -37,6 +35,10 @@ def run(args: argparse.Namespace) -> None:
     config = load_config(args.config, args.overrides)
     if "mars" not in config.stages:
         raise ValueError("stages: the quickstart evaluates the mars stage, keep it")
+    import ray  # Ray: imported only by the commands that use it
+
+    from mars_ray.train.run import run_training
+
     if not ray.is_initialized():
         ray.init(address="local")  # a cluster of its own: the demo promises 2 workers on this machine
     finals = run_training(config)

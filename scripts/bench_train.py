@@ -23,8 +23,8 @@ import torch
 from mars_ray import data, models
 from mars_ray.core.objective import ScoredLM, collate_mars, mars_loss
 from mars_ray.train.config import TrainConfig
-from mars_ray.train.loop import Objective
 from mars_ray.train.run import run_training
+from mars_ray.train.steps import Objective
 
 
 def step_seconds(model, loss_of: Callable[[list], torch.Tensor], batch, repeats: int, autocast) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from mars_ray.data import chat_prompt_ids
-from mars_ray.evaluate import EvalConfig, ModelUnderTest, agreement, heldout_sets
+from mars_ray.evaluate import EvalConfig, ModelUnderTest, curve_point, heldout_sets
 from mars_ray.train.config import TrainConfig
 
 
@@ -66,22 +66,12 @@ def main() -> None:
     points = [(0, args.baseline)] + [
         (step * train.global_batch, str(folder)) for step, folder in checkpoints(args.run, args.stage)
     ]
+    answers = [r["answer"] for r in sets["tasks"]] if "tasks" in sets else None
     rows = []
     for examples, path in points:
         model = base if path == args.baseline else ModelUnderTest(path, config)
-        row = {"examples": examples, "model": path}
-        for source, source_prompts in prompts.items():
-            greedy = model.decode(source_prompts, 1.0, "raw")
-            fast = model.decode(source_prompts, args.tau, "raw")
-            row[source] = {
-                "tokens_per_forward": fast.tokens_per_forward,
-                "self": agreement(fast.texts, greedy.texts),
-                "base_greedy": agreement(greedy.texts, reference[source]),
-                "base": agreement(fast.texts, reference[source]),
-            }
-            if source == "tasks":
-                answers = [r["answer"] for r in sets["tasks"]]
-                row[source]["accuracy"] = [agreement(run.texts, answers)[0] for run in (greedy, fast)]
+        point = curve_point(model, prompts, reference, answers, args.tau)
+        row = {"examples": examples, "model": path, **point}
         rows.append(row)
         print(json.dumps(row), flush=True)
     t = args.tau

@@ -35,20 +35,16 @@ $bin/python -c "import sys; from transformers import AutoModelForCausalLM, AutoT
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1])
 print(type(m).__name__, m.num_parameters(), 'parameters; B =', m.config.mars_block_size, '; mask', t.mask_token)" "$final"
 
-phase "learning curve"
-[ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
-  --sources chatterbot tasks --dialogs-limit 48 --tasks-limit 48 --output "$reports/curve.json"
-
 phase "calibrate"
 [ -f "$final/calibration.json" ] || $bin/mars-ray calibrate --model "$final" --plot "$reports/reliability.png"
 
 phase "eval"
 [ -f "$reports/eval.json" ] || $bin/mars-ray eval --model "$final" --baseline smollm2-135m --check-greedy \
-  --taus 1.0 0.9 0.7 0.5 --dialogs-limit 64 --tasks-limit 100 --batch-size 32 \
+  --taus 1.0 0.9 0.7 0.5 --dialogs-limit 48 --tasks-limit 64 --batch-size 32 \
   --output "$reports/eval.json" --plot "$reports/pareto.png"
 phase "eval, verified"
 [ -f "$reports/eval-verify.json" ] || $bin/mars-ray eval --model "$final" --modes verify \
-  --taus 0.9 0.5 --confidences calibrated --dialogs-limit 64 --tasks-limit 100 --batch-size 32 \
+  --taus 0.9 0.5 --confidences calibrated --dialogs-limit 48 --tasks-limit 64 --batch-size 32 \
   --output "$reports/eval-verify.json"
 
 # bf16 only where the CPU has it natively: emulated (AVX2 only), it is many times slower than fp32.
@@ -63,5 +59,9 @@ for dtype in $dtypes; do
     --dtype $dtype --prompts 8 --max-new-tokens 48 --batch-sizes 1 4 --repeats 2 \
     --methods ar ar-sliding prompt-lookup mars-cached mars-verify --output "$reports/decode-$dtype.json"
 done
+phase "learning curve"
+[ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
+  --sources chatterbot tasks --dialogs-limit 32 --tasks-limit 32 --output "$reports/curve.json"
+
 phase "done"
 echo "[real_model] checkpoint: $final; reports: $reports"

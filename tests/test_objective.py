@@ -98,17 +98,19 @@ def test_collate_rejects_block_size_one():
         collate_mars([example(2, 2, 0)], block_size=1, mask_id=MASK_ID, pad_id=PAD_ID, eos_id=EOS_ID)
 
 
-def visible(length: int, block: int, p: int) -> set[tuple[str, int]]:
-    """What the noisy output at position p may depend on: clean tokens of earlier blocks, masks before it."""
-    start = (p // block) * block
+def visible(length: int, block: int, p: int, offset: int = 0) -> set[tuple[str, int]]:
+    """What the noisy output at position p may depend on: clean tokens of earlier blocks, masks before it.
+    With a block offset o, block boundaries sit at positions b * B - o."""
+    start = max(((p + offset) // block) * block - offset, 0)
     return {("clean", k) for k in range(start)} | {("noisy", k) for k in range(start, p + 1)}
 
 
-def test_noisy_visibility_by_brute_force():
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_noisy_visibility_by_brute_force(offset):
     """Perturb every input position; a noisy output changes if and only if that position is visible to it."""
     length, block = 12, 4
     model = build_tiny("llama")
-    batch = collate([example(3, 9, 2)], compact=False)
+    batch = collate([example(3, 9, 2)], compact=False, offsets=(offset,))
     assert batch.noisy_width == length
 
     def noisy_logits(ids):
@@ -119,13 +121,13 @@ def test_noisy_visibility_by_brute_force():
         return out[0, :length]
 
     base = noisy_logits(batch.input_ids)
-    for stream, offset in (("noisy", 0), ("clean", length)):
+    for stream, column in (("noisy", 0), ("clean", length)):
         for k in range(length):
             ids = batch.input_ids.clone()
-            ids[0, offset + k] = (ids[0, offset + k] + 7) % (MASK_ID - 3) + 3
+            ids[0, column + k] = (ids[0, column + k] + 7) % (MASK_ID - 3) + 3
             changed = (noisy_logits(ids) - base).abs().amax(dim=-1) > 1e-9
             for p in range(length):
-                assert bool(changed[p]) == ((stream, k) in visible(length, block, p)), (stream, k, p)
+                assert bool(changed[p]) == ((stream, k) in visible(length, block, p, offset)), (stream, k, p)
 
 
 @pytest.mark.parametrize("compact", [True, False])
@@ -219,6 +221,40 @@ def test_compact_step_equals_the_full_objective(family):
     for name, parameter in model.named_parameters():
         torch.testing.assert_close(parameter.grad, want_grads[name], rtol=1e-10, atol=1e-13)
     assert batch.input_ids.shape[1] < collate(examples, compact=False).input_ids.shape[1]
+
+
+def test_block_offsets_average_the_single_stream_objectives():
+    """Noisy streams at offsets 0..B-1 beside one clean stream: the loss and gradients are those of the
+    single-stream objectives averaged (noisy part; the clean part is shared), so no stream sees another."""
+    examples = [example(9, 6, 20), example(2, 7, 21), example(5, 5, 22)]
+    model = build_tiny("llama", sharpness=1.0)
+    offsets = (0, 1, 2, 3)
+    want_total, want_noisy = 0.0, 0.0
+    for o in offsets:
+        batch = collate(examples, offsets=(o,))
+        loss = mars_loss(ScoredLM(model)(**batch.model_inputs()), batch, ar_weight=0.7)
+        want_total = want_total + loss.total / len(offsets)  # the clean part is the same in each
+        want_noisy += loss.noisy.item() / len(offsets)
+    want_total.backward()
+    want_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    batch = collate(examples, offsets=offsets)
+    got = mars_loss(ScoredLM(model)(**batch.model_inputs()), batch, ar_weight=0.7)
+    got.total.backward()
+    assert batch.noisy_streams == 4
+    assert batch.scored[:, : batch.noisy_width].sum() == 4 * batch.supervised.sum()
+    assert got.noisy.item() == pytest.approx(want_noisy, rel=1e-12)
+    assert got.total.item() == pytest.approx(want_total.item(), rel=1e-12)  # a leak moves it by ~1e-2
+    for name, parameter in model.named_parameters():
+        # SDPA's CPU backward differs by ~1e-8 between sequence widths (first layer only), even in fp64
+        torch.testing.assert_close(parameter.grad, want_grads[name], rtol=1e-6, atol=1e-7)
+
+
+def test_collate_rejects_bad_offsets():
+    for offsets in [(), (0, 0), (4,), (-1,)]:
+        with pytest.raises(ValueError, match="offsets"):
+            collate([example(2, 2, 0)], offsets=offsets)
 
 
 def test_ar_loss_matches_transformers(tiny_llama):

@@ -33,6 +33,7 @@ def test_yaml_and_overrides(tmp_path):
         ({}, "model"),  # required
         ({"model": "/no/such/model"}, "model"),
         ({"model": "tiny", "block_size": 1}, "block_size"),
+        ({"model": "tiny", "block_size": 4, "block_offsets": 5}, "block_offsets"),
         ({"model": "tiny", "stages": ["pretrain"]}, "stages"),
         ({"model": "tiny", "lr": -1}, "lr"),
         ({"model": "tiny", "bacth_size": 8}, "bacth_size"),

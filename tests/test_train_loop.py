@@ -8,7 +8,7 @@ import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny, random_prompts
 
 from mars_ray.core.objective import IGNORE, Example, ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
-from mars_ray.train.loop import BatchSampler, Objective, accumulate_gradients, worker_micro_batches
+from mars_ray.train.steps import BatchSampler, Objective, accumulate_gradients, worker_micro_batches
 
 
 def test_steps_walk_through_epochs_of_shuffles():

@@ -22,8 +22,8 @@ from mars_ray import data, models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
 from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train.config import TrainConfig
-from mars_ray.train.loop import Objective, accumulate_gradients, sum_over_workers, worker_micro_batches
 from mars_ray.train.run import run_training
+from mars_ray.train.steps import Objective, accumulate_gradients, sum_over_workers, worker_micro_batches
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,14 @@ reference code's right shift, applied per stream. A noisy block none of whose po
 prompt's blocks, most of a chat) has no loss, and no other noisy block attends to it, so by default the
 noisy stream holds only the scored blocks: the same loss and gradients for less compute. The paper's full
 layout (`compact=False`, noisy stream of length L) is kept as the reference the compact one is tested on.
+
+Block offsets (an extension; the paper has one): a noisy stream may be given its block boundaries shifted
+by s, so that block of p is (p + s) // B under that stream, and several such streams, each with its own s,
+may share one clean stream. The rules above hold within each noisy stream (blocks read under its own s);
+noisy streams never see each other. With offsets 0..B-1 every response token is predicted from every slot
+of the window in one forward, where the paper's layout teaches each token one slot per pass over the data:
+decoding starts its window wherever the committed text ends, so every alignment is one it meets. The noisy
+loss is averaged over the streams, so one stream at offset 0 is exactly the paper's objective.
 """
 
 from __future__ import annotations
@@ -80,6 +88,7 @@ class MarsBatch(ScoredBatch):
 
     supervised: torch.Tensor  # [b]
     noisy_width: int
+    noisy_streams: int = 1  # block offsets: the noisy loss is averaged over them
 
     def to(self, device: torch.device | str) -> MarsBatch:
         return MarsBatch(
@@ -89,6 +98,7 @@ class MarsBatch(ScoredBatch):
             self.targets.to(device),
             self.supervised.to(device),
             self.noisy_width,
+            self.noisy_streams,
         )
 
 
@@ -107,10 +117,16 @@ def extend_to_block(example: Example, block_size: int, eos_id: int) -> Example:
     return Example(example.input_ids + [eos_id] * extra, example.labels + [eos_id] * extra)
 
 
-def _visible(q_pos, k_pos, q_noisy, k_noisy, block_size: int):
-    """The mask rules above, elementwise (True = may attend); works on broadcast tensors and in flex."""
-    q_block, k_block = q_pos // block_size, k_pos // block_size
-    noisy_noisy = q_noisy & k_noisy & (q_block == k_block) & (k_pos <= q_pos)
+def _visible(q_pos, k_pos, q_noisy, k_noisy, block_size: int, q_offset=0, k_offset=0):
+    """The mask rules above, elementwise (True = may attend); works on broadcast tensors and in flex.
+
+    `q_offset` / `k_offset`: the block offset of the query's / key's noisy stream (blocks are read under
+    the query's); noisy streams of different offsets never see each other.
+    """
+    q_block = (q_pos + q_offset) // block_size
+    k_block = (k_pos + q_offset) // block_size
+    same_stream = q_offset == k_offset
+    noisy_noisy = q_noisy & k_noisy & same_stream & (q_block == k_block) & (k_pos <= q_pos)
     noisy_clean = q_noisy & ~k_noisy & (k_block < q_block)
     clean_clean = ~q_noisy & ~k_noisy & (k_pos <= q_pos)
     return noisy_noisy | noisy_clean | clean_clean
@@ -132,15 +148,19 @@ def collate_mars(
     attention: Literal["dense", "flex"] = "dense",
     device: torch.device | str = "cpu",
     compact: bool = True,
+    offsets: Sequence[int] = (0,),
 ) -> MarsBatch:
     """Extend each example to a block multiple, right-pad to the batch, and build `[noisy | clean]`.
 
     `compact` keeps only the noisy blocks that hold a scored position (right-padded per row; a padding
     column is given a block past the end, so no real query sees it); `compact=False` is the full layout.
+    `offsets`: one noisy stream per block offset, in order (`(0,)`: the paper's single stream).
     `attention="flex"` builds a BlockMask on `device` (it has no CPU backward); "dense" a bool mask.
     """
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if not offsets or len(set(offsets)) != len(offsets) or not all(0 <= o < block_size for o in offsets):
+        raise ValueError(f"offsets must be distinct values in [0, block_size), got {list(offsets)}")
     extended = [extend_to_block(e, block_size, eos_id) for e in examples]
     rows, length = len(extended), max(len(e.input_ids) for e in extended)
     clean = torch.full((rows, length), pad_id, dtype=torch.long)
@@ -152,44 +172,72 @@ def collate_mars(
     noisy_ids = torch.where(labels != IGNORE, torch.full_like(clean, mask_id), clean)
 
     positions = torch.arange(length)
-    if compact:
-        scored_block = (next_label != IGNORE).view(rows, -1, block_size).any(dim=2)
-        keep = scored_block.repeat_interleave(block_size, dim=1)  # [b, L]
-    else:
-        keep = torch.ones((rows, length), dtype=torch.bool)
+    scored = next_label != IGNORE
+    # Per noisy stream, the positions it keeps; streams side by side, then each row's kept columns first,
+    # in order (a stable sort), then padding columns.
+    keep, offset = [], []
+    for o in offsets:
+        if compact:
+            blocks = -(-(length + o) // block_size)  # position p is in block (p + o) // B
+            padded = F.pad(scored, (o, blocks * block_size - length - o))
+            scored_block = padded.view(rows, blocks, block_size).any(dim=2)
+            keep.append(scored_block[:, (positions + o) // block_size])
+        else:
+            keep.append(torch.ones((rows, length), dtype=torch.bool))
+        offset.append(torch.full((length,), o))
+    keep, offset = torch.cat(keep, dim=1), torch.cat(offset)  # [b, S*L], [S*L]
     width = int(keep.sum(dim=1).max())
-    # Kept positions first, in order (a stable sort), then padding columns.
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
     kept = keep.gather(1, order)
+    source = order % length  # the clean position each noisy column stands for
     sentinel = length + block_size  # a block past every real one
-    noisy_pos = torch.where(kept, order, torch.full_like(order, sentinel))
-    noisy_targets = torch.where(kept, next_label.gather(1, order), torch.full_like(order, IGNORE))
-    noisy_input = torch.where(kept, noisy_ids.gather(1, order), torch.full_like(order, pad_id))
+    noisy_pos = torch.where(kept, source, torch.full_like(source, sentinel))
+    noisy_offset = torch.where(kept, offset[order], 0)
+    noisy_targets = torch.where(kept, next_label.gather(1, source), torch.full_like(source, IGNORE))
+    noisy_input = torch.where(kept, noisy_ids.gather(1, source), torch.full_like(source, pad_id))
 
     mask_pos = torch.cat([noisy_pos, positions.expand(rows, -1)], dim=1)  # [b, N + L]
+    mask_offset = torch.cat([noisy_offset, torch.zeros((rows, length), dtype=torch.long)], dim=1)
     is_noisy = torch.arange(width + length) < width
     if attention == "flex":
-        mask = _flex_mask(mask_pos.to(device), width, block_size, device)
+        mask = _flex_mask(mask_pos.to(device), mask_offset.to(device), width, block_size, device)
     else:
         mask = _visible(
-            mask_pos[:, :, None], mask_pos[:, None, :], is_noisy[:, None], is_noisy[None, :], block_size
+            mask_pos[:, :, None],
+            mask_pos[:, None, :],
+            is_noisy[:, None],
+            is_noisy[None, :],
+            block_size,
+            mask_offset[:, :, None],
+            mask_offset[:, None, :],
         )[:, None]
     return MarsBatch(
         input_ids=torch.cat([noisy_input, clean], dim=1),
         position_ids=torch.where(mask_pos == sentinel, 0, mask_pos),
         attention_mask=mask,
         targets=torch.cat([noisy_targets, next_label], dim=1),
-        supervised=(next_label != IGNORE).sum(dim=1).float(),
+        supervised=scored.sum(dim=1).float(),
         noisy_width=width,
+        noisy_streams=len(offsets),
     )
 
 
-def _flex_mask(mask_pos: torch.Tensor, width: int, block_size: int, device: torch.device | str):
+def _flex_mask(
+    mask_pos: torch.Tensor, mask_offset: torch.Tensor, width: int, block_size: int, device: torch.device | str
+):
     """The same mask as a flex-attention BlockMask: no dense tensor, sparse blocks skipped (GPU path)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return _visible(mask_pos[b, q_idx], mask_pos[b, kv_idx], q_idx < width, kv_idx < width, block_size)
+        return _visible(
+            mask_pos[b, q_idx],
+            mask_pos[b, kv_idx],
+            q_idx < width,
+            kv_idx < width,
+            block_size,
+            mask_offset[b, q_idx],
+            mask_offset[b, kv_idx],
+        )
 
     n = mask_pos.shape[1]
     return create_block_mask(mask_mod, B=mask_pos.shape[0], H=None, Q_LEN=n, KV_LEN=n, device=device)
@@ -234,7 +282,8 @@ class ScoredLM(nn.Module):
 
 
 def mars_loss(logits: torch.Tensor, batch: MarsBatch, ar_weight: float = 1.0) -> MarsLoss:
-    """Noisy CE + `ar_weight` x clean CE, averaged per sequence, then over the batch.
+    """Noisy CE (averaged over the batch's noisy streams) + `ar_weight` x clean CE, averaged per sequence,
+    then over the batch.
 
     `logits` [K, V] are the scored columns' (`batch.scored`, row-major), as `ScoredLM` returns them.
     """
@@ -244,7 +293,7 @@ def mars_loss(logits: torch.Tensor, batch: MarsBatch, ar_weight: float = 1.0) ->
     at_least_fp32 = torch.promote_types(logits.dtype, torch.float32)
     ce = F.cross_entropy(logits.to(at_least_fp32), batch.targets[scored], reduction="none")
     weight = 1.0 / (batch.supervised.to(ce.dtype).clamp(min=1.0)[rows] * len(batch.supervised))
-    noisy_loss = (ce * weight * noisy).sum()
+    noisy_loss = (ce * weight * noisy).sum() / batch.noisy_streams
     clean_loss = (ce * weight * ~noisy).sum()
     return MarsLoss(noisy_loss + ar_weight * clean_loss, noisy_loss.detach(), clean_loss.detach())
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from mars_ray.train.config import TrainConfig, load_config
-from mars_ray.train.run import run_training
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,6 +20,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from mars_ray.train.run import run_training  # Ray: imported only by the commands that use it
+
     finals = run_training(load_config(args.config, args.overrides))
     for stage, folder in finals.items():
         print(f"{stage}: {folder}")

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mars_ray import models
 
@@ -47,6 +47,12 @@ class TrainConfig(BaseModel):
     # the MARS objective
     block_size: int = Field(default=4, ge=2, description="B: tokens predicted per block in stage mars")
     ar_weight: float = Field(default=1.0, ge=0, description="weight of the clean-stream (AR) loss")
+    block_offsets: int = Field(
+        default=1,
+        ge=1,
+        description="noisy streams per chat, block boundaries shifted by k*B/n (1: the paper's layout;"
+        " B: every token from every window slot in one forward)",
+    )
     # optimisation (the same for both stages)
     epochs: float = Field(
         default=5.0, gt=0, description="passes over the data per stage, unless steps is set"
@@ -94,6 +100,19 @@ class TrainConfig(BaseModel):
     @classmethod
     def _absolute(cls, value: str) -> str:
         return str(Path(value).expanduser().resolve())
+
+    @field_validator("block_offsets")
+    @classmethod
+    def _offsets_fit_the_block(cls, value: int, info: ValidationInfo) -> int:
+        block_size = info.data.get("block_size")
+        if block_size is not None and value > block_size:
+            raise ValueError(f"at most block_size ({block_size}) offsets, got {value}")
+        return value
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The block offset of each noisy stream, spread evenly over the block."""
+        return tuple(k * self.block_size // self.block_offsets for k in range(self.block_offsets))
 
     @property
     def run_dir(self) -> Path:

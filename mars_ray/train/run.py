@@ -30,7 +30,8 @@ from transformers import AutoTokenizer
 from mars_ray import data, models
 from mars_ray.core.objective import Example
 from mars_ray.train.config import Stage, TrainConfig
-from mars_ray.train.loop import TRAINER_STATE, train_worker
+from mars_ray.train.loop import train_worker
+from mars_ray.train.steps import TRAINER_STATE
 
 RESUMABLE_CHANGES = {"max_failures", "checkpoint_every", "keep_checkpoints"}  # safe to change on a rerun
 # Ray Train's controller collects reports when it polls the workers (every 2 s by default), and a worker's
