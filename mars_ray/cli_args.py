@@ -30,9 +30,15 @@ def _scalar(annotation) -> tuple[type | None, tuple | None]:
     return (str if annotation is Path else annotation), None
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, config: type[BaseModel]) -> None:
-    """A flag per field of `config`, typed, with its description and default in the help."""
+def add_config_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    config: type[BaseModel],
+    exclude: frozenset[str] = frozenset(),
+) -> None:
+    """A flag per field of `config` (but `exclude`), typed, with its description and default in the help."""
     for name, field in config.model_fields.items():
+        if name in exclude:
+            continue
         annotation = field.annotation
         many = typing.get_origin(annotation) in (list, tuple)
         kind, choices = _scalar(typing.get_args(annotation)[0] if many else annotation)
@@ -47,10 +53,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, config: type[BaseModel
         parser.add_argument(flag(name), required=field.is_required(), **options)
 
 
-def config_from_args(config: type[BaseModel], args: argparse.Namespace):
-    """The config the parsed flags describe, validated."""
-    values = {name: getattr(args, name) for name in config.model_fields if hasattr(args, name)}
-    return validated(config, values, name=flag)
+def given(config: type[BaseModel], args: argparse.Namespace) -> dict:
+    """The fields of `config` that the parsed flags set (a flag left out is absent, not its default)."""
+    return {name: getattr(args, name) for name in config.model_fields if hasattr(args, name)}
+
+
+def config_from_args(config: type[BaseModel], args: argparse.Namespace, **values):
+    """The config the parsed flags describe (`values` added), validated."""
+    return validated(config, {**given(config, args), **values}, name=flag)
 
 
 def validated(config: type[BaseModel], values: dict, name=lambda field: field):

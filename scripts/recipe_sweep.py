@@ -7,12 +7,13 @@ workers run (`mars_ray/train/steps.py`).
         --recipes lr=1e-4 lr=3e-4 "lr=1e-4 block_offsets=4" --points 800 1600 3200 6400
 
 Data: the model's own greedy replies (`Distiller`, the code behind `mars-ray distill`) to the chatterbot
-train prompts, or an existing distilled folder (`--distilled`), plus `tasks_count` generated tasks. A
-recipe is `key=value` overrides of `TrainConfig` (lr, block_offsets, batch_size, max_length, ...) on top of
-`--config`. At every point (examples seen) the run is measured: tokens per forward at `--tau` (raw
-confidences), agreement with its own tau = 1 reply and with the base model's, task accuracy at tau = 1 and
-`--tau`, and the step's cost in columns (noisy + clean tokens, what a CPU step's time follows). Each point
-is a JSON line in `--output` as soon as it is measured; `--deadline-s` stops starting new recipes in time.
+train prompts, or an existing distilled folder (`--distilled`), plus the bundled sources (`tasks`,
+`chatterbot`) the recipe's `datasets` names. A recipe is `key=value` overrides of `TrainConfig` (lr,
+block_offsets, batch_size, max_length, datasets, ...) on top of `--config`. At every point (examples seen)
+the run is measured: tokens per forward at `--tau` (raw confidences), agreement with its own tau = 1 reply
+and with the base model's, task accuracy at tau = 1 and `--tau`, and the step's cost in columns (noisy +
+clean tokens, what a CPU step's time follows). Each point is a JSON line in `--output` as soon as it is
+measured; `--deadline-s` stops starting new recipes in time.
 `--save` keeps the last recipe's final weights as a plain HF folder (for `mars-ray bench` after it).
 """
 
@@ -58,13 +59,14 @@ def distilled_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def training_examples(config: TrainConfig, tokenizer, rows: list[dict]) -> list:
+    """The distilled replies, plus the bundled sources (`tasks`, `chatterbot`) the config's datasets name."""
     import datasets
 
+    sources = {"distilled": datasets.Dataset.from_list(rows)}
+    for source in config.datasets:
+        if source in data.BUNDLED_SOURCES:
+            sources[source] = data.load_chats(source, "train", config.tasks_count)
     examples = []
-    sources = {
-        "distilled": datasets.Dataset.from_list(rows),
-        "tasks": data.load_chats("tasks", "train", config.tasks_count),
-    }
     for name, dataset in sources.items():
         kept, report = data.tokenize_chats(dataset, tokenizer, config.max_length, name)
         print(report.summary(), flush=True)
@@ -157,6 +159,27 @@ def run_recipe(
             break
 
 
+def table(rows: list[dict], tau: float) -> str:
+    """Markdown: one line per measured point, dialogs then tasks (agreement as exact % (similarity %))."""
+
+    def pair(values) -> str:
+        return f"{100 * values[0]:.1f} ({100 * values[1]:.1f})"
+
+    head = (
+        f"| recipe | chats seen | noisy loss | dialogs tok/fwd at tau {tau:g} | = own tau 1 | tau 1 = base "
+        f"| tasks tok/fwd | = own tau 1 | accuracy tau 1 / {tau:g} % |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        d, t = row["chatterbot"], row["tasks"]
+        loss = f"{row['noisy_loss']:.2f}" if "noisy_loss" in row else ""
+        accuracy = " / ".join(f"{100 * a:.1f}" for a in t["accuracy"])
+        cells = [row["recipe"], str(row["examples"]), loss, f"{d['tokens_per_forward']:.2f}", pair(d["self"])]
+        cells += [pair(d["base_greedy"]), f"{t['tokens_per_forward']:.2f}", pair(t["self"]), accuracy]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -178,7 +201,11 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=math.inf, help="no new recipe after this")
     parser.add_argument("--save", type=Path, help="keep the last recipe's final weights here")
     parser.add_argument("--output", type=Path, required=True, help="JSON lines")
+    parser.add_argument("--table", action="store_true", help="only print the table of an existing --output")
     args = parser.parse_args()
+    if args.table:
+        print(table([json.loads(line) for line in args.output.open()], args.tau))
+        return
     started = time.perf_counter()
     transformers.utils.logging.disable_progress_bar()
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +224,6 @@ def main() -> None:
     base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rows = distilled_rows(args)
     first = next(iter(recipes.values()))
-    examples = training_examples(first, tokenizer, rows)
 
     eval_config = EvalConfig(
         model=args.model,
@@ -229,10 +255,12 @@ def main() -> None:
         if time.perf_counter() - started > args.deadline_s:
             print(f"[{name}] skipped: past the deadline", flush=True)
             continue
+        examples = training_examples(config, tokenizer, rows)
         run_recipe(name, config, base_state, model, tokenizer, examples, measure, args)
     if args.save:
         model.save_pretrained(args.save)
         tokenizer.save_pretrained(args.save)
+    print(table([json.loads(line) for line in args.output.open()], args.tau))
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -51,3 +51,48 @@ def test_api_key_from_config_or_environment_and_never_shown(monkeypatch):
     assert AppConfig(models=[{"model": "tiny"}]).api_key.get_secret_value() == "sk-from-env"
     monkeypatch.delenv("MARS_RAY_API_KEY")
     assert AppConfig(models=[{"model": "tiny"}]).api_key is None
+
+
+def serve_args(*argv: str):
+    import argparse
+
+    from mars_ray.serve import command
+
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    return parser, parser.parse_args(["serve", *argv])
+
+
+def test_mars_ray_serve_has_a_flag_for_every_field_with_its_description():
+    from mars_ray.cli_args import flag
+    from mars_ray.serve.config import TauObjective
+
+    parser, _ = serve_args("--model", "tiny")
+    (serve,) = parser._subparsers._group_actions[0].choices.values()
+    text = " ".join(serve.format_help().split())
+    for config, skip in ((ModelConfig, {"tau_control"}), (TauObjective, set()), (AppConfig, {"models"})):
+        for name, field in config.model_fields.items():
+            if name not in skip:
+                assert flag(name) in text, name
+                assert " ".join(field.description.split()[:4]) in text, name
+
+
+def test_serve_flags_build_the_app_config_and_turn_the_controller_on():
+    from mars_ray.core.errors import ConfigError
+    from mars_ray.serve.command import app_config
+
+    plain = app_config(serve_args("--model", "tiny", "--max-batch-size", "48")[1])
+    (model,) = plain.models
+    assert model.tau_control is None and model.max_batch_size == 48 and model.max_ongoing_requests == 96
+    adaptive = app_config(serve_args("--model", "tiny", "--tau-min", "0.8", "--verify-tau", "0.6")[1])
+    control = adaptive.models[0].tau_control
+    assert control.tau_min == 0.8 and control.verify_tau == 0.6 and control.tau_max == 1.0
+    assert app_config(serve_args("--model", "tiny", "--adaptive")[1]).models[0].tau_control.tau_min == 0.7
+    keyed = app_config(serve_args("--model", "tiny", "--api-key", "k", "--cors-origins", "http://a")[1])
+    assert keyed.api_key.get_secret_value() == "k" and keyed.cors_origins == ["http://a"]
+    with pytest.raises(ConfigError) as error:
+        app_config(serve_args("--model", "tiny", "--tau-min", "2")[1])
+    assert error.value.field == "--tau-min"
+    with pytest.raises(ConfigError) as error:
+        app_config(serve_args("--model", "tiny", "--max-batch-size", "8", "--max-ongoing-requests", "4")[1])
+    assert error.value.field == "ModelConfig"  # a rule across fields names the config it belongs to

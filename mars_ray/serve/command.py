@@ -6,35 +6,48 @@ import argparse
 import signal
 import time
 
-from mars_ray import models
-from mars_ray.serve.config import AppConfig, ModelConfig
+from mars_ray import cli_args, models
+from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("serve", help="serve a model over the OpenAI API (Ray Serve)")
-    parser.add_argument(
-        "--model", required=True, help="local HF folder, Hub id, or preset (tiny, smollm2-135m)"
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API (Ray Serve)",
+        description="One model behind the OpenAI API. Every field of the serving config is a flag: the"
+        " model's (ModelConfig), the load-adaptive tau controller's (TauObjective: any of its flags, or"
+        " --adaptive, turns it on) and the app's (AppConfig).",
     )
-    parser.add_argument("--name", help="model name clients ask for (default: derived from --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tau", type=float, default=1.0, help="operating tau for requests without their own")
-    parser.add_argument(
-        "--block-size", type=int, help="window for requests without their own (default: the trained B)"
+    cli_args.add_config_arguments(
+        parser.add_argument_group("model (ModelConfig)"), ModelConfig, exclude=frozenset({"tau_control"})
     )
-    parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--num-replicas", type=int, default=1)
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved per replica")
-    parser.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 routes (default: $MARS_RAY_API_KEY; neither: open)",
+    adaptive = parser.add_argument_group("load-adaptive tau (TauObjective)")
+    adaptive.add_argument("--adaptive", action="store_true", help="turn the tau controller on (its defaults)")
+    cli_args.add_config_arguments(adaptive, TauObjective)
+    cli_args.add_config_arguments(
+        parser.add_argument_group("app (AppConfig)"), AppConfig, exclude=frozenset({"models"})
     )
-    parser.add_argument("--cors-origin", action="append", default=[], help="a browser origin allowed (CORS)")
-    parser.add_argument(
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
         "--ray-address",
         help="Ray cluster to use (default: a running one, else a new local one; 'local': new)",
     )
     parser.set_defaults(run=run)
+
+
+def app_config(args: argparse.Namespace) -> AppConfig:
+    """The app the flags describe: one model, the controller if any of its flags (or --adaptive) is given."""
+    control = cli_args.given(TauObjective, args)
+    tau_control = None
+    if control or args.adaptive:
+        tau_control = cli_args.config_from_args(TauObjective, args)
+    model_values = cli_args.given(ModelConfig, args)
+    if "max_ongoing_requests" not in model_values:  # room for a full batch plus as many waiting
+        model_values["max_ongoing_requests"] = max(64, 2 * model_values.get("max_batch_size", 32))
+    model = cli_args.validated(ModelConfig, {**model_values, "tau_control": tau_control}, name=cli_args.flag)
+    return cli_args.config_from_args(AppConfig, args, models=[model])
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -42,17 +55,9 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    model = ModelConfig(
-        model=args.model,
-        name=args.name,
-        tau=args.tau,
-        block_size=args.block_size,
-        max_batch_size=args.max_batch_size,
-        max_ongoing_requests=max(64, 2 * args.max_batch_size),
-        num_replicas=args.num_replicas,
-        num_cpus=args.num_cpus,
-    )
-    models.resolve(args.model)  # a missing folder fails here, not in a replica that Serve keeps restarting
+    app = app_config(args)
+    (model,) = app.models
+    models.resolve(model.model)  # a missing folder fails here, not in a replica that Serve keeps restarting
     import ray
     from ray import serve
 
@@ -65,7 +70,6 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _stop)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app = AppConfig(models=[model], api_key=args.api_key, cors_origins=args.cors_origin)
         serve.run(build_app(app), name="mars", route_prefix="/")
         print(
             f"serving {model.served_name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True

@@ -19,7 +19,7 @@ class TauObjective(BaseModel):
 
     tau_min: float = Field(0.7, gt=0, le=1, description="quality floor: the controller never goes below")
     tau_max: float = Field(1.0, gt=0, le=1, description="quality ceiling: where an idle replica sits")
-    tau_step: float = Field(0.05, gt=0, le=1)
+    tau_step: float = Field(0.05, gt=0, le=1, description="how far tau moves per decision")
     verify_tau: float | None = Field(
         None,
         gt=0,
@@ -27,11 +27,13 @@ class TauObjective(BaseModel):
         description="a lossless first step under load: verified decoding carrying proposals this confident"
         " (needs tau_max 1.0; None: no such step)",
     )
-    metric: Literal["queue_depth", "ttft_p95", "itl_p95"] = "queue_depth"
+    metric: Literal["queue_depth", "ttft_p95", "itl_p95"] = Field(
+        "queue_depth", description="what the objective bounds: waiting requests, or a latency percentile"
+    )
     target: float = Field(4.0, gt=0, description="objective: waiting requests, or seconds for latencies")
     low_fraction: float = Field(0.5, ge=0, lt=1, description="raise tau below low_fraction x target")
     patience: int = Field(2, ge=1, description="ticks in a row before acting")
-    interval_s: float = Field(1.0, gt=0)
+    interval_s: float = Field(1.0, gt=0, description="seconds between the controller's decisions")
     min_gain: float = Field(0.03, ge=0, description="a lower tau must raise goodput by this fraction")
     memory_s: float = Field(60.0, gt=0, description="forget goodput measurements older than this")
 
@@ -49,8 +51,10 @@ class ModelConfig(BaseModel):
 
     model: str = Field(description="local HF folder, Hub id, or preset (tiny, smollm2-135m)")
     name: str | None = Field(None, description="the `model` clients ask for; default: derived from `model`")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights' dtype (auto: as saved); bfloat16 pays on a CPU with AMX or AVX512-BF16"
+    )
+    device: str = Field("cpu", description="torch device of each replica (cuda: give it num_gpus)")
     tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
     verify: bool = Field(
         False,
@@ -78,9 +82,9 @@ class ModelConfig(BaseModel):
         description="after a request's first text, the text of this interval crosses to the ingress as one"
         " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward",
     )
-    num_replicas: int = Field(1, ge=1)
-    num_cpus: float = Field(1.0, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_replicas: int = Field(1, ge=1, description="replicas to start with")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (fractions allowed)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per replica")
     max_ongoing_requests: int = Field(64, ge=1, description="per replica: running plus waiting in the engine")
     max_queued_requests: int = Field(64, ge=0, description="per caller, beyond which requests get a 503")
     retry_after_s: float = Field(1.0, ge=0, description="the Retry-After a rejected request is given")
@@ -96,8 +100,8 @@ class ModelConfig(BaseModel):
         description="autoscale from num_replicas up to this, replicas last: a replica is added only while "
         "the tau controller (its user_config) has nothing left to trade",
     )
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(30.0, ge=0)
+    upscale_delay_s: float = Field(5.0, ge=0, description="Serve waits this long before adding a replica")
+    downscale_delay_s: float = Field(30.0, ge=0, description="and this long before removing one")
     look_back_period_s: float = Field(
         15.0,
         gt=0,
@@ -133,9 +137,9 @@ class AppConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: list[ModelConfig] = Field(min_length=1)
-    ingress_num_cpus: float = Field(0.1, gt=0)
-    ingress_max_ongoing_requests: int = Field(1024, ge=1)
+    models: list[ModelConfig] = Field(min_length=1, description="the served models")
+    ingress_num_cpus: float = Field(0.1, gt=0, description="CPUs Ray reserves for the OpenAI ingress")
+    ingress_max_ongoing_requests: int = Field(1024, ge=1, description="requests the ingress holds at once")
     api_key: SecretStr | None = Field(
         None,
         validate_default=True,
