@@ -164,7 +164,8 @@ def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict
     from mars_ray.core.decoding import DecodeConfig
 
     torch.set_num_threads(args.torch_threads)
-    model, tokenizer = models.load(args.model)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = models.load(args.model, dtype=dtype)
     stops = DecodeConfig.for_model(model, tokenizer).stop_token_ids
     tokens, started = 0, time.perf_counter()
     for i in range(0, len(chats), args.concurrency):
@@ -224,6 +225,7 @@ def start_server(args: argparse.Namespace) -> str:
         "model": args.model,
         "name": "bench",
         "num_cpus": args.num_cpus,
+        "dtype": args.dtype,
         "torch_threads": args.torch_threads,
         "max_tokens": args.max_tokens,
         "max_batch_size": max(args.concurrency, 1),
@@ -257,6 +259,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-label", default="peer", help="the peer's row in the table")
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
     parser.add_argument("--port", type=int, default=8124)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the replica's weights"
+    )
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
     parser.add_argument("--torch-threads", type=int, help="default: the replica's whole CPUs, at least 1")
     parser.add_argument(

@@ -226,6 +226,7 @@ def serve_mode(mode: str, args: argparse.Namespace) -> str:
         "name": "bench",
         "block_size": args.block_size,
         "num_cpus": args.num_cpus,
+        "dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "max_batch_size": max(args.levels),
         "max_ongoing_requests": 2 * max(args.levels),
@@ -261,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument(
         "--verify-tau", type=float, help="the controller's lossless first step: verified decoding at this tau"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the replica's weights"
     )
     parser.add_argument("--num-cpus", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8125)
