@@ -263,6 +263,55 @@ def test_each_error_has_its_status_and_body(server, client):
         client.completions.create(model="gpt-9", prompt="hi")
 
 
+def test_bounds_and_bad_input_get_4xx_naming_the_field_and_the_server_stays_healthy(server):
+    """Each bound (AppConfig defaults: 1 MiB body, 256 messages, 256-character stop strings) and each kind of
+    malformed input is a 4xx with an OpenAI error body, never a 500 or a hang."""
+    chat, completions = f"{server}/v1/chat/completions", f"{server}/v1/completions"
+    json_headers = {"content-type": "application/json"}
+    base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+
+    huge = httpx.post(chat, json={**base, "user": "x" * (2 << 20)}, timeout=60)
+    assert huge.status_code == 413 and error_of(huge)["param"] == "body"
+
+    def chunked():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(5):
+            yield b"y" * (256 << 10)
+        yield b'"}]}'
+
+    streamed = httpx.post(chat, content=chunked(), headers=json_headers, timeout=60)  # no Content-Length
+    assert streamed.status_code == 413
+
+    cases = [
+        (chat, {**base, "messages": MESSAGES * 257}, "messages"),
+        (chat, {**base, "stop": ["z" * 257]}, "stop"),
+        (chat, {**base, "seed": 10**30}, "seed"),
+        (chat, {**base, "seed": -1}, "seed"),
+        (chat, {**base, "max_tokens": 10**30}, "max_tokens"),
+        (chat, {**base, "n": 10**30}, "n"),
+        (chat, {**base, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (completions, {"model": "tiny", "prompt": [10**9], "max_tokens": 4}, "prompt"),
+        (completions, {"model": "tiny", "prompt": [-1], "max_tokens": 4}, "prompt"),
+        (completions, {"model": "tiny", "prompt": [], "max_tokens": 4}, "prompt"),
+        (completions, {"model": "tiny", "prompt": "", "max_tokens": 4}, "prompt"),
+    ]
+    for url, body, param in cases:
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 400, (param, response.text)
+        assert error_of(response)["param"] == param, response.text
+
+    for raw in [b'{"model": "tiny", "messages": [], "tau": NaN}', b'{"model": "tiny", "tau": Infinity}']:
+        response = httpx.post(chat, content=raw, headers=json_headers, timeout=60)
+        assert response.status_code == 400, response.text
+    bad_utf8 = b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    response = httpx.post(chat, content=bad_utf8, headers=json_headers, timeout=60)
+    assert response.status_code == 400, response.text
+    rejected = httpx.post(chat, json={**base, "messages": [{"role": "assistant", "content": "hi"}] * 2})
+    assert rejected.status_code in (200, 400)  # a template that takes any roles serves it; never a 500
+    healthy = httpx.post(chat, json=base, timeout=60)
+    assert healthy.status_code == 200 and httpx.get(f"{server}/health", timeout=30).status_code == 200
+
+
 def test_overload_gets_503_with_retry_after_and_a_disconnect_frees_the_slot(server):
     """tiny-small has one row and a one-request queue: A runs, B waits, C is turned away at once."""
     url = f"{server}/v1/chat/completions"

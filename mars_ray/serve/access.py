@@ -1,4 +1,5 @@
-"""Who may call the API: the key on every /v1 route and the browser origins allowed (CORS).
+"""Who may call the API and how much they may send: the key on every /v1 route, the browser origins allowed
+(CORS), and the largest request body (checked before it is read, so a huge body costs nothing).
 
 Its own module for a reason: Serve freezes (pickles) the FastAPI app while `app.py` is still being imported,
 which copies a middleware defined there by value, globals and all, so the replica's constructor would set
@@ -28,15 +29,23 @@ CORS_HEADERS = {
 class Access:
     key: bytes | None = None
     origins: frozenset[str] = frozenset()
+    max_body_bytes: int | None = None
 
 
 # One ingress replica serves one app: its constructor sets this for the process.
 ACCESS = Access()
 
 
-def configure(key: str | None, origins: Sequence[str]) -> None:
+def configure(key: str | None, origins: Sequence[str], max_body_bytes: int | None = None) -> None:
     ACCESS.key = key.encode() if key else None
     ACCESS.origins = frozenset(origins)
+    ACCESS.max_body_bytes = max_body_bytes
+
+
+def _too_large(request: Request) -> bool:
+    """A declared body over the limit; a body without a length (chunked) is refused too once read past it."""
+    declared = request.headers.get("content-length")
+    return declared is not None and declared.isdigit() and int(declared) > ACCESS.max_body_bytes
 
 
 async def check_access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -52,6 +61,13 @@ async def check_access(request: Request, call_next: Callable[[Request], Awaitabl
             headers = {"WWW-Authenticate": "Bearer", **cors}
             body = error_body("Missing or invalid API key", code="invalid_api_key")
             return JSONResponse(body, status_code=401, headers=headers)
+    if ACCESS.max_body_bytes is not None and request.method == "POST":
+        too_large = _too_large(request)
+        if not too_large and "content-length" not in request.headers:
+            too_large = len(await request.body()) > ACCESS.max_body_bytes  # chunked: read, then cached
+        if too_large:
+            message = f"the request body exceeds {ACCESS.max_body_bytes} bytes"
+            return JSONResponse(error_body(message, "body", code="request_too_large"), 413, headers=cors)
     response = await call_next(request)
     response.headers.update(cors)
     return response

@@ -24,7 +24,6 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import SecretStr
 from ray import serve
 from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
@@ -38,7 +37,13 @@ from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
 from mars_ray.serve.controller import OperatingPoint, TauController
 from mars_ray.serve.engine import Chunk, Engine, EngineMetrics, EngineStats, RequestError, SamplingParams
 from mars_ray.serve.policy import tau_first_policy
-from mars_ray.serve.schema import ChatCompletionRequest, CompletionRequest, ResponseBuilder, error_body
+from mars_ray.serve.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    error_body,
+    error_param,
+)
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="mars-ray", description="OpenAI-compatible serving of MARS multi-token models")
@@ -55,7 +60,7 @@ async def _invalid_request(request: Request, error: RequestValidationError) -> J
     if first["type"] == "json_invalid":
         reason = first.get("ctx", {}).get("error") or first["msg"]
         return JSONResponse(error_body(f"invalid JSON body: {reason}"), status_code=400)
-    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+    param = error_param(first["loc"])
     return JSONResponse(error_body(f"{param}: {first['msg']}", param), status_code=400)
 
 
@@ -255,12 +260,12 @@ class OpenAIIngress:
         self,
         engines: dict[str, DeploymentHandle],
         board: DeploymentHandle,
-        api_key: SecretStr | None = None,
-        cors_origins: Sequence[str] = (),
+        config: AppConfig,
     ) -> None:
-        self.engines, self.board = engines, board
+        self.engines, self.board, self.config = engines, board, config
         self.created = int(time.time())
-        access.configure(api_key.get_secret_value() if api_key else None, cors_origins)
+        key = config.api_key.get_secret_value() if config.api_key else None
+        access.configure(key, config.cors_origins, config.max_body_bytes)
 
     def _engine(self, model: str) -> DeploymentHandle:
         if model not in self.engines:
@@ -293,14 +298,25 @@ class OpenAIIngress:
         ]
         return {"object": "list", "data": models}
 
+    def _check_bounds(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        """The app's per-request bounds that a static schema cannot know (400 naming the field)."""
+        config = self.config
+        if len(getattr(body, "messages", [])) > config.max_messages:
+            raise RequestError(f"at most {config.max_messages} messages per request", "messages")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if any(len(stop) > config.max_stop_chars for stop in stops):
+            raise RequestError(f"a stop string may hold at most {config.max_stop_chars} characters", "stop")
+
     @api.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_bounds(body)
         messages = [m.as_template_input() for m in body.messages]
         chunks = self._engine(body.model).chat.remote(messages, body.params())
         return await self._respond(chunks, body, ResponseBuilder(chat=True, model=body.model))
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
+        self._check_bounds(body)
         chunks = self._engine(body.model).complete.remote(body.prompt, body.params())
         return await self._respond(chunks, body, ResponseBuilder(chat=False, model=body.model))
 
@@ -365,7 +381,7 @@ def build_app(args: dict | AppConfig) -> Application:
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
-    ).bind(engines, board, config.api_key, config.cors_origins)
+    ).bind(engines, board, config)
 
 
 def _engine_deployment(model: ModelConfig):

@@ -50,7 +50,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
     tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
     block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
     verify: bool | None = Field(
@@ -111,6 +111,20 @@ class CompletionRequest(_Request):
 
     def params(self) -> SamplingParams:
         return self.sampling(self.max_tokens)
+
+
+FIELD_NAMES = frozenset(
+    name
+    for model in (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)
+    for name in model.model_fields
+)
+
+
+def error_param(loc: tuple) -> str | None:
+    """The request field a validation error is about, as a dotted path (`messages.0.content`): list
+    indices and field names kept, the union branch names pydantic adds (`str`, `list[int]`) dropped."""
+    parts = [str(part) for part in loc if isinstance(part, int) or part in FIELD_NAMES]
+    return ".".join(parts) or None
 
 
 def error_body(
