@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import hypothesis
 import openai
 import psutil
 import pytest
@@ -310,6 +311,41 @@ def test_bounds_and_bad_input_get_4xx_naming_the_field_and_the_server_stays_heal
     assert rejected.status_code in (200, 400)  # a template that takes any roles serves it; never a 500
     healthy = httpx.post(chat, json=base, timeout=60)
     assert healthy.status_code == 200 and httpx.get(f"{server}/health", timeout=30).status_code == 200
+
+
+def test_schema_fuzzer_finds_no_server_error_and_no_slow_answer(server):
+    """schemathesis against the app's own OpenAPI schema, bounded: 25 bodies per operation, valid and
+    invalid, the model set to one that exists so that they reach the engine; no 5xx, no answer slower than
+    60 s, and the server healthy afterwards."""
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+
+    schema = schemathesis.openapi.from_url(f"{server}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/health"}
+
+    for operation in operations:
+
+        @hypothesis.settings(
+            max_examples=25,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+        )
+        @hypothesis.given(case=operation.as_strategy())
+        def fuzz(case):
+            if isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = "tiny"
+                if isinstance(case.body.get("max_tokens"), int):  # each bounded in time; the bound is tested
+                    case.body["max_tokens"] = min(case.body["max_tokens"], 64)
+            began = time.monotonic()
+            response = case.call(timeout=90)
+            case.validate_response(response, checks=(not_a_server_error,))
+            assert time.monotonic() - began < 60
+
+        fuzz()
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
 
 
 def test_overload_gets_503_with_retry_after_and_a_disconnect_frees_the_slot(server):
