@@ -3,7 +3,7 @@
 # distilled replies (configs/smollm2-cpu.yaml), calibrated, then measured against the untouched instruct
 # model. Every step skips what is already done, so rerunning the same command resumes where it stopped.
 #
-#   bash scripts/real_model.sh              # about 2 hours on 2 CPU cores; logs under $MARS_RAY_HOME/logs
+#   bash scripts/real_model.sh              # about 3.5 hours on 2 CPU cores (distill 15 min, train 2.3 h)
 #
 # Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final and the reports beside it in
 # $MARS_RAY_HOME/runs/smollm2-cpu/reports/. Run `bash scripts/setup.sh` first.
@@ -36,15 +36,16 @@ m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pr
 print(type(m).__name__, m.num_parameters(), 'parameters; B =', m.config.mars_block_size, '; mask', t.mask_token)" "$final"
 
 phase "calibrate"
-[ -f "$final/calibration.json" ] || $bin/mars-ray calibrate --model "$final" --plot "$reports/reliability.png"
+[ -f "$final/calibration.json" ] || $bin/mars-ray calibrate --model "$final" --tasks-limit 100 --dialogs-limit 100 \
+  --plot "$reports/reliability.png"
 
 phase "eval"
 [ -f "$reports/eval.json" ] || $bin/mars-ray eval --model "$final" --baseline smollm2-135m --check-greedy \
-  --taus 1.0 0.9 0.7 0.5 --dialogs-limit 48 --tasks-limit 64 --batch-size 32 \
+  --taus 1.0 0.9 0.7 0.5 --dialogs-limit 64 --tasks-limit 100 --batch-size 32 \
   --output "$reports/eval.json" --plot "$reports/pareto.png"
 phase "eval, verified"
 [ -f "$reports/eval-verify.json" ] || $bin/mars-ray eval --model "$final" --modes verify \
-  --taus 0.9 0.5 --confidences calibrated --dialogs-limit 48 --tasks-limit 64 --batch-size 32 \
+  --taus 0.9 0.7 0.5 --confidences calibrated --dialogs-limit 64 --tasks-limit 100 --batch-size 32 \
   --output "$reports/eval-verify.json"
 
 # bf16 only where the CPU has it natively: emulated (AVX2 only), it is many times slower than fp32.
@@ -61,7 +62,7 @@ for dtype in $dtypes; do
 done
 phase "learning curve"
 [ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
-  --sources chatterbot tasks --dialogs-limit 32 --tasks-limit 32 --output "$reports/curve.json"
+  --sources chatterbot tasks --dialogs-limit 48 --tasks-limit 48 --output "$reports/curve.json"
 
 phase "done"
 echo "[real_model] checkpoint: $final; reports: $reports"
