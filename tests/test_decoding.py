@@ -156,11 +156,53 @@ def test_rows_join_and_leave_mid_flight(tiny_llama):
     decoder.remove([states[1]])  # a client went away
     decoder.add(states[3])
     decoder.add(states[4])
-    while decoder.seqs:
+    while decoder.active:
         decoder.step()
     assert decoder.cache.valid.shape[0] == 0
     for i in (0, 2, 3, 4):
         assert states[i].tokens == alone[i]
+
+
+@pytest.mark.parametrize("budget", [1, 5, None])
+def test_chunked_prefill_bounds_each_forward_and_changes_no_token(tiny_llama, budget):
+    """Long prompts joining a running batch are cached at most `budget` tokens a forward (oldest first)
+    while the batch keeps decoding; every row still decodes exactly what it would alone."""
+    short = random_prompts(2, seed=30)
+    long = random_prompts(2, 30, 31, seed=31)
+    config = DecodeConfig(tau=0.5, block_size=4, max_new_tokens=24)
+    prompts = short + long
+    alone = [decode_reference(tiny_llama, p, MASK_ID, config).tokens for p in prompts]
+    widths = []
+    hook = tiny_llama.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID, prefill_budget=budget)
+        states = [DecodeState(p, config) for p in prompts]
+        decoder.add(states[0])
+        decoder.add(states[1])
+        decoder.step()  # an idle decoder: they join at once
+        widths.clear()
+        for state in states[2:]:
+            decoder.add(state)
+        decoded_while_joining, busy_widths = 0, []
+        while decoder.active:
+            joining, busy = bool(decoder.joining), bool(decoder.seqs)
+            widths.clear()
+            decoded = decoder.step()
+            if joining and busy:  # rows were decoding while the long prompts were cached
+                decoded_while_joining += bool(decoded)
+                busy_widths += [width for _, width in widths]
+    finally:
+        hook.remove()
+    assert [s.tokens for s in states] == alone
+    assert decoded_while_joining >= 1
+    window = 2 * 4 - 1  # a running row's accepted tokens (<= 4) and 3 masks
+    if budget is None:
+        assert max(busy_widths) == 29  # both prompts, but their last tokens, in one forward
+    else:
+        assert max(busy_widths) <= max(budget, window)  # no forward wider than the budget or a window
+        assert decoded_while_joining >= min(29 // budget, 5)
 
 
 def test_window_slots_do_not_depend_on_trailing_masks(tiny_llama):
@@ -214,7 +256,7 @@ def test_compaction_keeps_answers(tiny_llama):
     for s in states:
         decoder.add(s)
     widths = []
-    while decoder.seqs:
+    while decoder.active:
         decoder.step()
         widths.append(decoder.cache.valid.shape[1])
     assert [s.tokens for s in states] == alone
@@ -323,7 +365,7 @@ def test_verified_rows_share_a_batch_with_lossy_ones_and_join_mid_flight(tiny_ll
     decoder.step()
     for s in states[3:]:
         decoder.add(s)
-    while decoder.seqs:
+    while decoder.active:
         decoder.step()
     assert [s.tokens for s in states] == [r.tokens for r in alone]
     greedy = hf_greedy(tiny_llama, prompts, 18, eos=-1)

@@ -111,6 +111,41 @@ def test_batched_requests_equal_each_alone_and_greedy_generate(tiny):
             assert last.forward_passes < last.completion_tokens  # several tokens per forward
 
 
+def test_a_long_prompt_joining_mid_stream_is_prefilled_in_chunks(tiny):
+    """With `max_prefill_tokens`, a long prompt arriving while another request streams is cached a chunk per
+    forward: no forward of the running request is wider than the budget or a window (the bound on its
+    inter-token stall, in tokens computed rather than seconds), and both texts equal their solo runs."""
+    model, tokenizer = tiny
+    short = prompts_of(tokenizer, 1)[0]
+    long = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Count from 1 to 9. " * 30}])
+    params = SamplingParams(max_tokens=48, tau=0.5, block_size=4)
+    widths, budget = [], 16
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    async def run():
+        engine = make_engine(tiny, max_prefill_tokens=budget)
+        first = engine.generate(short, params)
+        texts = [(await anext(first)).text]
+        texts.append((await anext(first)).text)  # it streams now
+        widths.clear()
+        joining = asyncio.ensure_future(collect(engine, long, params))
+        texts += [chunk.text async for chunk in first]
+        return "".join(texts), await joining
+
+    try:
+        first_text, (long_text, _) = asyncio.run(run())
+    finally:
+        hook.remove()
+    assert len(long) > 8 * budget
+    assert max(widths[: len(long) // budget]) <= max(budget, 2 * 4 - 1)
+    for prompt, text in ((short, first_text), (long, long_text)):
+        config = DecodeConfig.for_model(model, tokenizer, 4, tau=0.5, max_new_tokens=48)
+        alone = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
+        assert text == tokenizer.decode(alone.tokens, skip_special_tokens=True)
+
+
 def test_cancelling_frees_the_row_and_the_queue(tiny):
     _, tokenizer = tiny
     prompt = prompts_of(tokenizer, 1)[0]

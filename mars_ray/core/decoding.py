@@ -400,6 +400,10 @@ class RaggedCache:
     def take_rows(self, rows: Sequence[int], other: RaggedCache) -> None:
         """Rows `rows` (empty until now) take the keys and values of `other`'s rows, in order; the time
         axis grows on the left (holes) when `other` is longer."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        if not other._layers():  # nothing cached there yet
+            self.next_position[index] = other.next_position
+            return
         grow = other.valid.shape[1] - self.valid.shape[1]
         if grow > 0:
             self.valid = torch.cat([self.valid.new_zeros((self.valid.shape[0], grow)), self.valid], dim=1)
@@ -407,13 +411,25 @@ class RaggedCache:
                 holes = layer.keys.new_zeros((*layer.keys.shape[:2], grow, layer.keys.shape[3]))
                 layer.keys = torch.cat([holes, layer.keys], dim=2)
                 layer.values = torch.cat([holes.clone(), layer.values], dim=2)
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
         width = other.valid.shape[1]
         self.valid[index, -width:] = other.valid
         self.next_position[index] = other.next_position
         for mine, theirs in zip(self._layers(), other._layers(), strict=True):
             mine.keys[index, :, -width:] = theirs.keys
             mine.values[index, :, -width:] = theirs.values
+
+    def split_rows(self, indices: Sequence[int]) -> RaggedCache:
+        """A new cache holding these rows (in this order), which this one gives up."""
+        index = torch.tensor(list(indices), dtype=torch.long, device=self.device)
+        moved = RaggedCache(self.model)
+        moved.valid, moved.next_position = self.valid[index], self.next_position[index]
+        for mine, theirs in zip(self.kv.layers, moved.kv.layers, strict=True):
+            if mine.is_initialized and mine.keys.dim() == 4:
+                theirs.lazy_initialization(mine.keys, mine.values)
+                theirs.keys, theirs.values = mine.keys[index], mine.values[index]
+        gone = set(indices)
+        self.keep_rows([r for r in range(self.valid.shape[0]) if r not in gone])
+        return moved
 
     def keep_rows(self, indices: Sequence[int]) -> None:
         """Keep only these rows (in this order); the others' keys and values are freed."""
@@ -453,65 +469,102 @@ def right_align(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 class SlidingDecoder:
     """Continuous multi-token decoding: every row accepts >= 1 token at every forward.
 
-    A step runs named stages: propose (one forward of every row's `[uncached tokens | drafts | W-1 masks]`,
-    right-aligned with holes on the left, so the masks are always the last W-1 columns and one crop
-    removes them from every row: no mask KV is ever kept), accept (per row, by tau or, for a verifying
-    row, by agreement with the greedy predictions), advance (what the next forward feeds; finished rows
-    leave). The uncached tokens are last step's accepted ones, or a joining row's prompt; drafts are a
-    verifying row's carried proposals. W is the widest window in the batch; a row at tau >= 1 only reads
-    slot 0. Rows that join while others run are prefilled in a forward of their own first (all but their
-    prompt's last token), so the running rows' forward stays one window wide instead of widening to the
-    longest new prompt.
+    A step runs named stages: join (cache the prompts of rows that were added, then let them into the
+    batch), propose (one forward of every row's `[uncached tokens | drafts | W-1 masks]`, right-aligned with
+    holes on the left, so the masks are always the last W-1 columns and one crop removes them from every
+    row: no mask KV is ever kept), accept (per row, by tau or, for a verifying row, by agreement with the
+    greedy predictions), advance (what the next forward feeds; finished rows leave). The uncached tokens are
+    last step's accepted ones, or a joining row's last prompt token; drafts are a verifying row's carried
+    proposals. W is the widest window in the batch; a row at tau >= 1 only reads slot 0.
+
+    Rows that join while others run wait outside the batch while their prompts (all but the last token) are
+    cached in a side cache, at most `prefill_budget` tokens a step (chunked prefill, oldest first; None: all
+    at once), so the running rows' forwards stay one window wide and a long prompt delays each of their
+    steps by at most one budget's worth of prefill. Rows added to an idle decoder join at once: nobody waits.
     """
 
-    def __init__(self, model: PreTrainedModel, mask_id: int, pad_id: int = 0) -> None:
+    def __init__(
+        self, model: PreTrainedModel, mask_id: int, pad_id: int = 0, prefill_budget: int | None = None
+    ) -> None:
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ConfigError("prefill_budget", f"must be at least 1, got {prefill_budget}")
         self.model, self.mask_id, self.pad_id = model, mask_id, pad_id
+        self.prefill_budget = prefill_budget
         self.cache = RaggedCache(model)
-        self.seqs: list[DecodeState] = []
+        self.seqs: list[DecodeState] = []  # the batch
         self.uncached: list[list[int]] = []  # per row: its tokens not yet in the cache
-        self.joined: set[int] = set()  # id() of rows added since the last step
+        self.joining: list[DecodeState] = []  # added, prompts being cached; not yet in the batch
+        self.unprefilled: list[list[int]] = []  # per joining row: its tokens not yet in the side cache
+        self.side = RaggedCache(model)  # the joining rows' keys and values so far
+
+    @property
+    def active(self) -> bool:
+        """Rows in the batch or joining it."""
+        return bool(self.seqs or self.joining)
 
     def add(self, seq: DecodeState) -> None:
-        """Join at the next step."""
-        self.seqs.append(seq)
-        self.uncached.append(list(seq.prompt) + seq.tokens)
-        self.cache.add_rows(1)
-        self.joined.add(id(seq))
+        """Join the batch once its prompt is cached (at once when the decoder is idle)."""
+        self.joining.append(seq)
+        self.unprefilled.append(list(seq.prompt) + seq.tokens)
+        self.side.add_rows(1)
 
     def remove(self, seqs: Sequence[DecodeState]) -> None:
-        """Leave now, freeing their cache rows."""
+        """Leave now, freeing their cache rows (in the batch or still joining)."""
         gone = {id(s) for s in seqs}
         keep = [i for i, s in enumerate(self.seqs) if id(s) not in gone]
-        self.seqs = [self.seqs[i] for i in keep]
-        self.uncached = [self.uncached[i] for i in keep]
-        self.joined -= gone
-        self.cache.keep_rows(keep)
+        if len(keep) < len(self.seqs):
+            self.seqs = [self.seqs[i] for i in keep]
+            self.uncached = [self.uncached[i] for i in keep]
+            self.cache.keep_rows(keep)
+        keep = [i for i, s in enumerate(self.joining) if id(s) not in gone]
+        if len(keep) < len(self.joining):
+            self.joining = [self.joining[i] for i in keep]
+            self.unprefilled = [self.unprefilled[i] for i in keep]
+            self.side.keep_rows(keep)
 
     @torch.inference_mode()
-    def step(self) -> list[list[int]]:
-        """One decode forward for every row; returns each row's newly accepted tokens (finished rows then
-        leave)."""
-        self._prefill_joined()
+    def step(self) -> list[tuple[DecodeState, list[int]]]:
+        """One decode forward for every row of the batch; returns each of those rows with its newly
+        accepted tokens (finished rows then leave). Joining rows are prefilled first, within the budget."""
+        self._join()
+        if not self.seqs:
+            return []
         tokens, confidence, anchor = self._propose()
         accepted = self._accept(tokens, confidence, anchor)
+        stepped = list(zip(self.seqs, accepted, strict=True))
         self._advance(accepted)
-        return accepted
+        return stepped
 
-    def _prefill_joined(self) -> None:
-        """Cache the prompts of rows that joined a running batch, but for each prompt's last token, which
-        the decode forward then feeds like any row's last accepted token."""
-        rows = [r for r, s in enumerate(self.seqs) if id(s) in self.joined and len(self.uncached[r]) > 1]
-        running = len(self.joined) < len(self.seqs)
-        self.joined.clear()
-        if not rows or not running:
-            return  # nobody to keep waiting: the decode forward prefills them itself
-        ids, real = right_align([self.uncached[r][:-1] for r in rows], self.pad_id)
-        side = RaggedCache(self.model)
-        side.add_rows(len(rows))
-        side.forward(ids.to(self.cache.device), real.to(self.cache.device), ids.shape[1], 1)
-        self.cache.take_rows(rows, side)
-        for r in rows:
-            self.uncached[r] = self.uncached[r][-1:]
+    def _join(self) -> None:
+        """Cache the next chunk of the joining rows' prompts (oldest first, at most `prefill_budget` tokens,
+        never a prompt's last token, which the decode forward feeds like any row's last accepted token);
+        rows with nothing left to cache join the batch. Into an idle decoder every joining row joins at
+        once, and the decode forward caches the rest of its prompt itself."""
+        if not self.joining:
+            return
+        if self.seqs:
+            budget = math.inf if self.prefill_budget is None else self.prefill_budget
+            chunks = []
+            for pending in self.unprefilled:
+                size = int(min(len(pending) - 1, budget))
+                chunks.append(pending[:size])
+                budget -= size
+            if any(chunks):
+                ids, real = right_align(chunks, self.pad_id)
+                self.side.forward(ids.to(self.side.device), real.to(self.side.device), ids.shape[1], 1)
+                self.unprefilled = [p[len(c) :] for p, c in zip(self.unprefilled, chunks, strict=True)]
+            ready = [r for r, pending in enumerate(self.unprefilled) if len(pending) <= 1]
+        else:
+            ready = list(range(len(self.joining)))
+        if not ready:
+            return
+        self.cache.add_rows(len(ready))
+        self.cache.take_rows(range(len(self.seqs), len(self.seqs) + len(ready)), self.side.split_rows(ready))
+        self.seqs += [self.joining[r] for r in ready]
+        self.uncached += [self.unprefilled[r] for r in ready]
+        waiting = [r for r in range(len(self.joining)) if r not in set(ready)]
+        self.joining = [self.joining[r] for r in waiting]
+        self.unprefilled = [self.unprefilled[r] for r in waiting]
 
     def _propose(self) -> tuple[list[list[int]], list[list[float]], int]:
         """Forward every row's `[uncached | drafts | masks]`, right-aligned: the greedy token and the
@@ -582,7 +635,7 @@ def decode_cached(
     decoder = SlidingDecoder(model, mask_id, pad_id)
     for seq in seqs:
         decoder.add(seq)
-    while decoder.seqs:
+    while decoder.active:
         decoder.step()
     return [s.result() for s in seqs]
 
@@ -601,16 +654,14 @@ def decode_continuous(
     waiting = deque(enumerate(prompts))
     decoder = SlidingDecoder(model, mask_id, pad_id)
     index_of: dict[int, int] = {}
-    while waiting or decoder.seqs:
-        free = max_batch - len(decoder.seqs)
+    while waiting or decoder.active:
+        free = max_batch - len(decoder.seqs) - len(decoder.joining)
         for _ in range(min(len(waiting), free) if free >= max(1, max_batch // 4) else 0):
             index, prompt = waiting.popleft()
             seq = DecodeState(list(prompt), config)
             index_of[id(seq)] = index
             decoder.add(seq)
-        running = list(decoder.seqs)
-        decoder.step()
-        for seq in running:
+        for seq, _ in decoder.step():
             if seq.finished:
                 yield index_of.pop(id(seq)), seq.result()
 

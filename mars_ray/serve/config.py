@@ -72,6 +72,13 @@ class ModelConfig(BaseModel):
     )
     max_tokens: int = Field(256, ge=1, description="default completion budget when a request sets none")
     max_batch_size: int = Field(32, ge=1, description="rows decoded together per forward")
+    max_prefill_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="chunked prefill: prompt tokens cached per forward while other requests decode (vLLM's"
+        " max_num_batched_tokens, less the decode rows), so a long prompt stalls them by at most this much;"
+        " None: a joining prompt is cached whole",
+    )
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
     torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")

@@ -178,7 +178,9 @@ class Engine:
             raise ConfigError(
                 "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
             )
-        self.decoder = SlidingDecoder(model, tokenizer.mask_token_id, tokenizer.pad_token_id)
+        self.decoder = SlidingDecoder(
+            model, tokenizer.mask_token_id, tokenizer.pad_token_id, config.max_prefill_tokens
+        )
         self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
@@ -393,9 +395,8 @@ class Engine:
                     await self._wake.wait()
                     continue
                 self._follow_operating_point()
-                rows = [self._running[id(state)] for state in self.decoder.seqs]
-                accepted = await loop.run_in_executor(self._executor, self.decoder.step)
-                self._deliver(rows, accepted, time.monotonic())
+                stepped = await loop.run_in_executor(self._executor, self.decoder.step)
+                self._deliver(stepped, time.monotonic())
             except Exception as error:  # a failed step fails the requests in the batch, not the replica
                 logger.exception("decode step failed")
                 self._fail_running(error)
@@ -405,7 +406,7 @@ class Engine:
             return
         gone = {id(r.state) for r in self._cancelled}
         self._waiting = deque(r for r in self._waiting if id(r.state) not in gone)
-        leaving = [state for state in self.decoder.seqs if id(state) in gone]
+        leaving = [state for state in [*self.decoder.seqs, *self.decoder.joining] if id(state) in gone]
         if leaving:
             self.decoder.remove(leaving)
         for request in self._cancelled:
@@ -431,10 +432,11 @@ class Engine:
                     config, tau=tau, block_size=block_size, verify=verify
                 )
 
-    def _deliver(self, rows: list[_Request], accepted: list[list[int]], now: float) -> None:
+    def _deliver(self, stepped: list[tuple[DecodeState, list[int]]], now: float) -> None:
         """Each row's new tokens become text; finished rows are answered and leave."""
         stopped = []
-        for request, tokens in zip(rows, accepted, strict=True):
+        for state, tokens in stepped:
+            request = self._running[id(state)]
             if request.finish_reason == "cancelled":
                 continue  # its reader is gone; the row leaves before the next forward
             if request.last_tokens_at is None:
@@ -463,11 +465,14 @@ class Engine:
         still_batched = [s for s in stopped if any(s is row for row in self.decoder.seqs)]
         if still_batched:
             self.decoder.remove(still_batched)
-        self._steps.append((now, len(rows), sum(map(len, accepted))))
+        if not stepped:  # the step only cached joining prompts
+            return
+        accepted = [len(tokens) for _, tokens in stepped]
+        self._steps.append((now, len(stepped), sum(accepted)))
         self._forget_before(now - self.config.stats_window_s)
-        self._generated += sum(map(len, accepted))
+        self._generated += sum(accepted)
         self._forwards += 1
-        self.metrics.step([len(a) for a in accepted])
+        self.metrics.step(accepted)
 
     def _fail_running(self, error: Exception) -> None:
         """Answer every batched request with the error and start from an empty cache."""
