@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, VOCAB, build_tiny, random_prompts
@@ -203,6 +206,41 @@ def test_chunked_prefill_bounds_each_forward_and_changes_no_token(tiny_llama, bu
     else:
         assert max(busy_widths) <= max(budget, window)  # no forward wider than the budget or a window
         assert decoded_while_joining >= min(29 // budget, 5)
+
+
+@pytest.mark.parametrize("budget", [None, 3])
+def test_random_joins_and_cancellations_change_no_token(tiny_llama, budget):
+    """A seeded storm of rows joining (mid-prefill too), being cancelled and finishing, lossy and verified,
+    with and without chunked prefill: every row that finishes decodes exactly what it would alone (a
+    verified row: greedy decoding)."""
+    rng = random.Random(budget or 0)
+    decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID, prefill_budget=budget)
+    states, cancelled = [], set()
+    for _ in range(60):
+        if rng.random() < 0.35:
+            prompt = [rng.randrange(3, MASK_ID) for _ in range(rng.randint(1, 20))]
+            config = DecodeConfig(
+                tau=rng.choice([1.0, 0.6, 0.3]),
+                block_size=rng.choice([2, 4]),
+                max_new_tokens=rng.randint(1, 12),
+                verify=rng.random() < 0.4,
+            )
+            states.append(DecodeState(prompt, config))
+            decoder.add(states[-1])
+        if rng.random() < 0.1 and decoder.active:
+            victim = rng.choice(decoder.seqs + decoder.joining)
+            cancelled.add(id(victim))
+            decoder.remove([victim])
+        decoder.step()
+    while decoder.active:
+        decoder.step()
+    assert decoder.cache.valid.shape[0] == 0 and decoder.side.valid.shape[0] == 0
+    finished = [s for s in states if id(s) not in cancelled]
+    assert len(finished) >= 8
+    for state in finished:
+        config = state.config
+        expected = dataclasses.replace(config, tau=1.0, verify=False) if config.verify else config
+        assert state.tokens == decode_reference(tiny_llama, state.prompt, MASK_ID, expected).tokens
 
 
 def test_window_slots_do_not_depend_on_trailing_masks(tiny_llama):

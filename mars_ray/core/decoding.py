@@ -401,7 +401,7 @@ class RaggedCache:
         """Rows `rows` (empty until now) take the keys and values of `other`'s rows, in order; the time
         axis grows on the left (holes) when `other` is longer."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
-        if not other._layers():  # nothing cached there yet
+        if not other._layers() or not other.valid.shape[1]:  # nothing cached there
             self.next_position[index] = other.next_position
             return
         grow = other.valid.shape[1] - self.valid.shape[1]

@@ -1,11 +1,13 @@
 """The Serve application: an OpenAI-compatible FastAPI ingress in front of one engine deployment per model.
 
-    client --HTTP--> OpenAIIngress --DeploymentHandle (streaming)--> EngineDeployment (one per model)
+    client --HTTP--> OpenAIIngress --DeploymentHandle--> EngineDeployment (one per model)
 
-The ingress validates requests, routes by `model`, and turns the engine's chunks into OpenAI objects or
-server-sent events. Overload is Serve's backpressure: an engine replica takes `max_ongoing_requests`
-(rows plus its own short queue); beyond that `max_queued_requests` wait at the ingress, and the rest get a
-503 with Retry-After at once. A client that goes away cancels its handle call, which frees its row.
+The ingress validates requests, routes by `model`, and turns the engine's chunks into server-sent events
+(a streaming handle call) or, for a request that does not stream, into one OpenAI object from the one
+merged chunk the replica returns (one round trip). Overload is Serve's backpressure: an engine replica
+takes `max_ongoing_requests` (rows plus its own short queue); beyond that `max_queued_requests` wait at the
+ingress, and the rest get a 503 with Retry-After at once. A client that goes away cancels its handle call,
+which frees its row.
 `build_app` is the `import_path` of the YAMLs in `serve_configs/`.
 No `from __future__ import annotations` here: FastAPI must read the route annotations as real types
 through Serve's ingress wrapper.
@@ -29,7 +31,7 @@ from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
 from ray.serve.deployment import Application
 from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve import access
@@ -240,11 +242,26 @@ class EngineDeployment:
         async for chunk in self.engine.generate(ids, params, "prompt"):
             yield chunk
 
+    async def chat_whole(self, messages: list[dict], params: SamplingParams) -> Chunk:
+        """A request that does not stream: its chunks merged here, so one message crosses to the ingress
+        (a client that leaves cancels this call, which cancels the request and frees its row)."""
+        return await _merged(self.chat(messages, params))
+
+    async def complete_whole(self, prompt: str | list[int], params: SamplingParams) -> Chunk:
+        return await _merged(self.complete(prompt, params))
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def ready(self) -> bool:
         return True
+
+
+async def _merged(chunks: AsyncIterator[Chunk]) -> Chunk:
+    merged = None
+    async for chunk in chunks:
+        merged = chunk if merged is None else merged.then(chunk)
+    return merged
 
 
 def _event(data: dict | str) -> str:
@@ -270,7 +287,7 @@ class OpenAIIngress:
     def _engine(self, model: str) -> DeploymentHandle:
         if model not in self.engines:
             raise UnknownModel(model)
-        return self.engines[model].options(stream=True)
+        return self.engines[model]
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
@@ -311,22 +328,36 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest):
         self._check_bounds(body)
         messages = [m.as_template_input() for m in body.messages]
-        chunks = self._engine(body.model).chat.remote(messages, body.params())
-        return await self._respond(chunks, body, ResponseBuilder(chat=True, model=body.model))
+        engine, builder = self._engine(body.model), ResponseBuilder(chat=True, model=body.model)
+        if body.stream:
+            chunks = engine.options(stream=True).chat.remote(messages, body.params())
+            return await self._stream(chunks, body, builder)
+        return await self._whole(engine.chat_whole.remote(messages, body.params()), builder)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._check_bounds(body)
-        chunks = self._engine(body.model).complete.remote(body.prompt, body.params())
-        return await self._respond(chunks, body, ResponseBuilder(chat=False, model=body.model))
+        engine, builder = self._engine(body.model), ResponseBuilder(chat=False, model=body.model)
+        if body.stream:
+            chunks = engine.options(stream=True).complete.remote(body.prompt, body.params())
+            return await self._stream(chunks, body, builder)
+        return await self._whole(engine.complete_whole.remote(body.prompt, body.params()), builder)
 
-    async def _respond(
+    async def _whole(self, response: DeploymentResponse, builder: ResponseBuilder):
+        """One round trip: the replica merged the chunks (errors still become status codes)."""
+        try:
+            last = await response
+        except BackPressureError as error:
+            return _overloaded(error)
+        return builder.whole(last.text, last)
+
+    async def _stream(
         self,
         chunks: DeploymentResponseGenerator,
         body: ChatCompletionRequest | CompletionRequest,
         builder: ResponseBuilder,
     ):
-        """Wait until the engine accepts the request (errors still become status codes), then answer."""
+        """Wait until the engine accepts the request (errors still become status codes), then stream."""
         try:
             first = await chunks.__anext__()
         except BackPressureError as error:
@@ -334,18 +365,8 @@ class OpenAIIngress:
         except BaseException:
             chunks.cancel()
             raise
-        if body.stream:
-            events = self._events(chunks, first, body.include_usage, builder)
-            return StreamingResponse(events, media_type="text/event-stream")
-        text, last = [first.text], first
-        try:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                last = chunk
-        finally:
-            if last.finish_reason is None:  # cancelled (the client left) or failed: free the row
-                chunks.cancel()
-        return builder.whole("".join(text), last)
+        events = self._events(chunks, first, body.include_usage, builder)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(
         self, chunks: DeploymentResponseGenerator, first: Chunk, include_usage: bool, builder: ResponseBuilder
