@@ -243,6 +243,30 @@ def test_random_joins_and_cancellations_change_no_token(tiny_llama, budget):
         assert state.tokens == decode_reference(tiny_llama, state.prompt, MASK_ID, expected).tokens
 
 
+@pytest.mark.parametrize(("tau", "verify"), [(1.0, False), (0.3, True), (0.3, False)])
+def test_logprobs_are_the_models_own_for_greedy_and_verified_tokens(tiny_llama, tau, verify):
+    """At tau = 1 and verified at any tau, every token's log-probability (and its top 3) is what a plain
+    forward over prompt + output gives at that position; a lossy token from a mask slot carries a
+    log-probability of its own slot, where it is the likeliest."""
+    prompts = random_prompts(3, seed=40)
+    config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=10, verify=verify, logprobs=3)
+    for result, prompt in zip(decode_cached(tiny_llama, prompts, MASK_ID, config), prompts, strict=True):
+        assert [lp.token for lp in result.logprobs] == result.tokens
+        with torch.no_grad():
+            logits = tiny_llama(torch.tensor([prompt + result.tokens])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        exact = [1] * len(result.tokens) if tau >= 1 or verify else None
+        if exact is None:  # lossy: a forward's first token is exact, the others came from mask slots
+            exact = [j == 0 for n in result.accepted for j in range(n)]
+        for i, (lp, is_ar) in enumerate(zip(result.logprobs, exact, strict=True)):
+            assert lp.top[0][0] == lp.token and len(lp.top) == 3  # greedy: the token is its slot's best
+            if is_ar:
+                assert lp.logprob == pytest.approx(expected[i, lp.token].item(), abs=1e-6)
+                assert [t for t, _ in lp.top] == expected[i].topk(3).indices.tolist()
+            else:
+                assert lp.logprob <= 0
+
+
 def test_window_slots_do_not_depend_on_trailing_masks(tiny_llama):
     prompt = torch.tensor([random_prompts(1, seed=7)[0]])
     w = 4
@@ -431,6 +455,6 @@ def test_mask_slots_never_propose_the_mask_or_padded_rows():
         DecodeState([1], DecodeConfig(vocab_limit=VOCAB - 6)),
         DecodeState([1], DecodeConfig()),
     ]
-    tokens, _ = propose(logits, seqs, first_slot=[0, 1], mask_id=MASK_ID)
+    tokens, _, _ = propose(logits, seqs, first_slot=[0, 1], mask_id=MASK_ID)
     assert tokens[0] == [MASK_ID, 11, 11, 11]
     assert tokens[1] == [MASK_ID, MASK_ID, VOCAB - 3, VOCAB - 3]  # no limit: only the mask is banned

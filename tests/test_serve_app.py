@@ -139,6 +139,62 @@ def test_tau_one_equals_transformers_greedy_streaming_or_not(server, client, tin
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
 
+def test_logprobs_through_the_official_client(server, client, tiny):
+    """Chat `logprobs` + `top_logprobs` and completions `logprobs: k`, streaming and not: at tau = 1 each
+    token's log-probability (and its alternatives) is the model's own for that token after the prompt and
+    the tokens before it; bad values are a 400 naming the field."""
+    model, tokenizer = tiny
+    prompt = chat_prompt_ids(tokenizer, MESSAGES)
+    whole = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=3, extra_body={"tau": 1.0}
+    )
+    content = whole.choices[0].logprobs.content
+    ids = tokenizer(whole.choices[0].message.content, add_special_tokens=False)["input_ids"]
+    assert "".join(entry.token for entry in content) == whole.choices[0].message.content
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8)[0, len(prompt) :]
+        logits = model(out.new_tensor([prompt + out.tolist()])).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    assert len(content) == len(out) and len(ids) <= len(out)
+    for i, (entry, token) in enumerate(zip(content, out.tolist(), strict=True)):
+        assert entry.logprob == pytest.approx(expected[i, token].item(), abs=1e-4)
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+        assert entry.bytes == list(entry.token.encode())
+
+    streamed = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, stream=True, extra_body={"tau": 1.0}
+    )
+    pieces = [
+        e
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in content], abs=1e-6)
+    assert all(e.top_logprobs == [] for e in pieces)
+
+    text = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, logprobs=2, extra_body={"tau": 1.0}
+    )
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert logprobs.token_logprobs == pytest.approx(
+        [expected[i, t].item() for i, t in enumerate(out[:6].tolist())], abs=1e-4
+    )
+    assert logprobs.text_offset[0] == 0 and all(len(top) <= 2 for top in logprobs.top_logprobs)
+
+    chat_url, text_url = f"{server}/v1/chat/completions", f"{server}/v1/completions"
+    base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    for url, body, param in [
+        (chat_url, {**base, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (chat_url, {**base, "top_logprobs": 2}, "top_logprobs"),
+        (text_url, {"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs"),
+        (text_url, {"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
+    ]:
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 def test_max_tokens_stop_strings_and_per_request_tau(client):
     def chat(**fields):
         extra = {k: fields.pop(k) for k in ("tau", "block_size", "verify") if k in fields}

@@ -327,7 +327,7 @@ def test_text_merged_before_a_failure_is_delivered(tiny, monkeypatch):
         await anext(stream)
         request = engine._waiting[0]
         for text in ("Hel", "lo"):
-            request.outbox.put_nowait(request.chunk(text))
+            request.outbox.put_nowait(request.chunk(text, tokenizer))
         request.outbox.put_nowait(RuntimeError("decoding failed"))
         merged = await anext(stream)
         with pytest.raises(RuntimeError, match="decoding failed"):

@@ -29,6 +29,7 @@ from mars_ray.core.errors import ConfigError
 TRAINED_BLOCK_SIZE = "mars_block_size"  # the model config key where training records its B
 SLOT_TEMPERATURES = "mars_slot_temperatures"  # where calibration records a temperature per window slot
 DEFAULT_BLOCK_SIZE = 4  # the paper's B, for a model that does not record its own
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class DecodeConfig:
     forward, which checks them against its own greedy predictions: the output is exactly greedy decoding
     at any tau, and tau only decides which proposals are worth carrying (tau >= 1 carries none: plain AR).
     Greedy only: the speculative-sampling rule for temperature > 0 is not built, so it is refused.
+
+    `logprobs` (k): every committed token records its log-probability and the k likeliest alternatives,
+    read from the fp32 logits of the slot that produced it, before any temperature. A token from slot 0
+    and a verified token are the model's own next-token (AR) log-probabilities; a token accepted from a
+    mask slot carries that mask's prediction, the probability tau was compared with (uncalibrated).
     """
 
     tau: float = 1.0
@@ -56,6 +62,7 @@ class DecodeConfig:
     slot_temperatures: tuple[float, ...] = ()
     verify: bool = False
     vocab_limit: int | None = None  # ids at or past it (padded embedding rows) are never proposed
+    logprobs: int | None = None  # record each token's log-probability and this many alternatives
 
     @classmethod
     def for_model(
@@ -100,6 +107,7 @@ class DecodeConfig:
             "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
             "top_p": 0 < self.top_p <= 1,
             "slot_temperatures": all(t > 0 and math.isfinite(t) for t in self.slot_temperatures),
+            "logprobs": self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
         }
         for name, ok in checks.items():
             if not ok:
@@ -125,6 +133,15 @@ def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     return tuple(sorted(i for i in ids if i is not None))
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability at the slot that produced it, and the likeliest alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class DecodeResult:
     tokens: list[int]  # generated ids, including the stop token that ended them
@@ -132,6 +149,7 @@ class DecodeResult:
     accepted: list[int]  # tokens accepted at each forward that produced tokens
     finish_reason: str  # "stop" or "length"
     drafted: list[int] = field(default_factory=list)  # verified decoding: proposals checked per forward
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, when the config asks
 
     @property
     def tokens_per_forward(self) -> float:
@@ -165,6 +183,7 @@ class DecodeState:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     forward_passes: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -209,6 +228,18 @@ class DecodeState:
             self.finish_reason = "length"
         return new
 
+    def record_logprobs(self, new: Sequence[int], logits: torch.Tensor) -> None:
+        """Log-probabilities of the tokens just committed, `logits` [len(new), V] the slots they came from."""
+        k = self.config.logprobs
+        if k is None or not new:
+            return
+        log_probs = torch.log_softmax(logits[: len(new)].float(), dim=-1)
+        index = torch.tensor(list(new), device=log_probs.device)[:, None]
+        chosen = log_probs.gather(-1, index)[:, 0].tolist()
+        values, ids = (t.tolist() for t in log_probs.topk(k, dim=-1))
+        for token, logprob, top_ids, top_values in zip(new, chosen, ids, values, strict=True):
+            self.logprobs.append(TokenLogprob(token, logprob, tuple(zip(top_ids, top_values, strict=True))))
+
     def result(self) -> DecodeResult:
         return DecodeResult(
             list(self.tokens),
@@ -216,6 +247,7 @@ class DecodeState:
             list(self.accepted),
             self.finish_reason or "",
             list(self.drafted),
+            list(self.logprobs),
         )
 
 
@@ -224,7 +256,7 @@ def propose(
     seqs: Sequence[DecodeState],
     first_slot: Sequence[int] | None = None,
     mask_id: int | None = None,
-) -> tuple[list[list[int]], list[list[float]]]:
+) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
     """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V].
 
     A row's window starts at column `first_slot[row]` (default 0: the whole row is one window); its
@@ -249,7 +281,7 @@ def propose(
         choice = (row.log() + gumbel).argmax(dim=-1)
         tokens[i] = choice.to(tokens.device)
         confidence[i] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
-    return tokens.tolist(), confidence.tolist()
+    return tokens.tolist(), confidence.tolist(), logits
 
 
 def _never_in_mask_slots(
@@ -302,8 +334,9 @@ def decode_reference(
         ids = torch.tensor([context + [mask_id] * width], device=model.device)
         logits = model(input_ids=ids).logits[:, len(context) - 1 : len(context) - 1 + width]
         seq.forward_passes += 1
-        tokens, confidence = propose(logits, [seq], mask_id=mask_id)
-        seq.take(tokens[0][: config.window], confidence[0][: config.window])
+        tokens, confidence, read = propose(logits, [seq], mask_id=mask_id)
+        new = seq.take(tokens[0][: config.window], confidence[0][: config.window])
+        seq.record_logprobs(new, read[0])
     return seq.result()
 
 
@@ -529,8 +562,8 @@ class SlidingDecoder:
         self._join()
         if not self.seqs:
             return []
-        tokens, confidence, anchor = self._propose()
-        accepted = self._accept(tokens, confidence, anchor)
+        tokens, confidence, anchor, logits = self._propose()
+        accepted = self._accept(tokens, confidence, anchor, logits)
         stepped = list(zip(self.seqs, accepted, strict=True))
         self._advance(accepted)
         return stepped
@@ -566,10 +599,10 @@ class SlidingDecoder:
         self.joining = [self.joining[r] for r in waiting]
         self.unprefilled = [self.unprefilled[r] for r in waiting]
 
-    def _propose(self) -> tuple[list[list[int]], list[list[float]], int]:
+    def _propose(self) -> tuple[list[list[int]], list[list[float]], int, torch.Tensor]:
         """Forward every row's `[uncached | drafts | masks]`, right-aligned: the greedy token and the
-        confidence at each of the last columns, and the column of every row's last real token (its slot 0;
-        its drafts' predictions come just before, its masks' slots just after)."""
+        confidence at each of the last columns, the column of every row's last real token (its slot 0; its
+        drafts' predictions come just before, its masks' slots just after), and the logits read there."""
         window = max(s.config.window for s in self.seqs)
         masks = [self.mask_id] * (window - 1)
         rows = [u + s.drafts + masks for u, s in zip(self.uncached, self.seqs, strict=True)]
@@ -579,10 +612,12 @@ class SlidingDecoder:
         device = self.cache.device
         logits = self.cache.forward(ids.to(device), real.to(device), keep, anchor + window)
         first_slot = [anchor] * len(self.seqs)
-        tokens, confidence = propose(logits, self.seqs, first_slot, self.mask_id)
-        return tokens, confidence, anchor
+        tokens, confidence, read = propose(logits, self.seqs, first_slot, self.mask_id)
+        return tokens, confidence, anchor, read
 
-    def _accept(self, tokens: list[list[int]], confidence: list[list[float]], anchor: int) -> list[list[int]]:
+    def _accept(
+        self, tokens: list[list[int]], confidence: list[list[float]], anchor: int, logits: torch.Tensor
+    ) -> list[list[int]]:
         """Each row commits its tokens: the window prefix its tau accepts, or (verify) the longest run of
         drafts that greedy decoding agrees with plus the greedy token after it. Rejected drafts become
         holes in the cache; a verifying row whose drafts all held carries its masks' confident proposals."""
@@ -592,14 +627,17 @@ class SlidingDecoder:
             window = slice(anchor, anchor + seq.config.window)
             if not seq.config.verify:
                 accepted.append(seq.take(tokens[row][window], confidence[row][window]))
+                seq.record_logprobs(accepted[-1], logits[row, window])
                 rejected.append(0)
                 continue
             drafts = seq.drafts
-            greedy = tokens[row][anchor - len(drafts) : anchor + 1]  # after the last token and each draft
+            checked = slice(anchor - len(drafts), anchor + 1)  # after the last token and each draft
+            greedy = tokens[row][checked]
             held = next(
                 (i for i, (d, g) in enumerate(zip(drafts, greedy, strict=False)) if d != g), len(drafts)
             )
             accepted.append(seq.commit(greedy[: held + 1], drafted=len(drafts)))
+            seq.record_logprobs(accepted[-1], logits[row, checked])
             rejected.append(len(drafts) - held)
             seq.drafts = []
             if held == len(drafts) and not seq.finished:
@@ -718,7 +756,7 @@ def decode_block_cached(
         for seq in live:
             seq.forward_passes += 1
         slots = torch.cat([last[:, None], logits[:, :-1]], dim=1)
-        tokens, confidence = propose(slots, live, filled, mask_id)
+        tokens, confidence, _ = propose(slots, live, filled, mask_id)
         for row, seq in enumerate(live):
             start = filled[row]
             if start == cache_block:

@@ -25,7 +25,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_ray import models
-from mars_ray.core.decoding import TRAINED_BLOCK_SIZE, DecodeConfig, DecodeState, SlidingDecoder
+from mars_ray.core.decoding import (
+    TRAINED_BLOCK_SIZE,
+    DecodeConfig,
+    DecodeState,
+    SlidingDecoder,
+    TokenLogprob,
+)
 from mars_ray.core.errors import ConfigError
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.text import TextStream
@@ -57,6 +63,16 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A generated token's text and log-probability, and the likeliest alternatives (see `DecodeConfig`)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
@@ -71,11 +87,16 @@ class Chunk:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # decoded since the last chunk
     tau: float = 1.0  # the operating point the request decoded at, as of this chunk
     mode: str = "ar"  # "ar" (one token per forward), "mars" (lossy, tau < 1) or "verify" (lossless)
+    logprobs: list[Logprob] | None = None  # of this chunk's completion tokens, when the request asks
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk followed by a later one, as one chunk."""
+        logprobs = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return dataclasses.replace(
-            later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
         )
 
 
@@ -134,8 +155,9 @@ class _Request:
         self.last_tokens_at: float | None = None
         self.finish_reason: str | None = None  # stop, length, cancelled or error
         self.unsent: list[int] = []  # decoded tokens not yet in a chunk (their text may be held back)
+        self.sent = 0  # tokens already in a chunk
 
-    def chunk(self, text: str) -> Chunk:
+    def chunk(self, text: str, tokenizer: PreTrainedTokenizerBase) -> Chunk:
         """The next chunk: `text` and the tokens decoded since the last chunk."""
         s = self.state
         reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
@@ -144,7 +166,19 @@ class _Request:
         completion = self.text.stop_tokens if self.text.stopped else len(s.tokens)
         config = s.config
         mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
-        return Chunk(text, len(s.prompt), completion, s.forward_passes, reason, tokens, config.tau, mode)
+        logprobs = None
+        if config.logprobs is not None:
+            logprobs = [_named(lp, tokenizer) for lp in s.logprobs[self.sent : max(self.sent, completion)]]
+        self.sent += len(tokens)
+        return Chunk(
+            text, len(s.prompt), completion, s.forward_passes, reason, tokens, config.tau, mode, logprobs
+        )
+
+
+def _named(logprob: TokenLogprob, tokenizer: PreTrainedTokenizerBase) -> Logprob:
+    """Token ids as the text each one decodes to, as OpenAI reports them."""
+    top = tuple((tokenizer.decode([token]), value) for token, value in logprob.top)
+    return Logprob(tokenizer.decode([logprob.token]), logprob.logprob, top)
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -248,7 +282,7 @@ class Engine:
         self._start()
         interval, sent_text = self.config.stream_interval_s, False
         try:
-            yield request.chunk("")
+            yield request.chunk("", self.tokenizer)
             while True:
                 item, failure = await request.outbox.get(), None
                 if interval and sent_text and isinstance(item, Chunk) and not item.finish_reason:
@@ -304,6 +338,7 @@ class Engine:
                 temperature=params.temperature,
                 top_p=params.top_p,
                 seed=params.seed,
+                logprobs=params.logprobs,
             )
         except ConfigError as error:
             field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
@@ -457,7 +492,7 @@ class Engine:
                 request.finish_reason = request.state.finish_reason
                 text += request.text.finish()
             if text or request.finish_reason:
-                request.outbox.put_nowait(request.chunk(text))
+                request.outbox.put_nowait(request.chunk(text, self.tokenizer))
             if request.finish_reason:
                 self._running.pop(id(request.state))
                 self._finished[request.finish_reason] += 1

@@ -1,8 +1,10 @@
 """The OpenAI wire format: request bodies (validated, 400 on a bad field) and response objects.
 
 Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `n`, which
-must be 1. MARS adds `tau`, `block_size` and `verify` (the `openai` client sends them through
-`extra_body`); `usage` adds `forward_passes`, the `tau` and the `mode` the request ran at.
+must be 1, and `echo`, which is refused. `logprobs` / `top_logprobs` (chat) and `logprobs: k`
+(completions) come back in OpenAI's shapes (see `DecodeConfig` for what a MARS token's log-probability
+is). MARS adds `tau`, `block_size` and `verify` (the `openai` client sends them through `extra_body`);
+`usage` adds `forward_passes`, the `tau` and the `mode` the request ran at.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mars_ray.serve.engine import Chunk, SamplingParams
+from mars_ray.serve.engine import Chunk, Logprob, SamplingParams
 
 
 class ContentPart(BaseModel):
@@ -71,9 +73,10 @@ class _Request(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return stop
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
+            logprobs=logprobs,
             max_tokens=max_tokens,
             tau=self.tau,
             block_size=self.block_size,
@@ -92,13 +95,34 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="each output token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="and this many likeliest alternatives")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     def params(self) -> SamplingParams:
-        return self.sampling(self.max_completion_tokens or self.max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling(self.max_completion_tokens or self.max_tokens, logprobs)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="each output token's log-probability and this many alternatives"
+    )
+    echo: bool = Field(False, description="not supported: the prompt's log-probabilities are not computed")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
 
     @field_validator("prompt")
     @classmethod
@@ -110,7 +134,7 @@ class CompletionRequest(_Request):
         return prompt
 
     def params(self) -> SamplingParams:
-        return self.sampling(self.max_tokens)
+        return self.sampling(self.max_tokens, self.logprobs)
 
 
 FIELD_NAMES = frozenset(
@@ -150,6 +174,7 @@ class ResponseBuilder:
 
     def __init__(self, chat: bool, model: str) -> None:
         self.chat, self.model = chat, model
+        self.text_offset = 0  # completions' logprobs: characters of text before the next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -167,19 +192,49 @@ class ResponseBuilder:
         if self.chat:
             message = {"role": "assistant", "content": text}
             choice = {"index": 0, "message": message, "finish_reason": last.finish_reason}
+            choice["logprobs"] = self._logprobs(last.logprobs)
             return self._envelope("chat.completion", [choice], usage=usage(last))
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        logprobs = self._logprobs(last.logprobs)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
         return self._envelope("text_completion", [choice], usage=usage(last))
 
     def piece(self, chunk: Chunk, first: bool) -> dict:
+        logprobs = self._logprobs(chunk.logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
             if chunk.finish_reason and not chunk.text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
         return self._envelope("text_completion", [choice])
+
+    def _logprobs(self, logprobs: list[Logprob] | None) -> dict | None:
+        """OpenAI's shapes: chat `{content: [{token, logprob, bytes, top_logprobs}]}`; completions
+        `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets from this piece's start)."""
+        if logprobs is None:
+            return None
+        if self.chat:
+
+            def entry(token: str, logprob: float) -> dict:
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            content = [
+                {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                for lp in logprobs
+            ]
+            return {"content": content}
+        offsets, offset = [], self.text_offset
+        for lp in logprobs:
+            offsets.append(offset)
+            offset += len(lp.token)
+        self.text_offset = offset
+        return {
+            "tokens": [lp.token for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [dict(lp.top) for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def usage_piece(self, last: Chunk) -> dict:
         """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
