@@ -195,6 +195,34 @@ def test_logprobs_through_the_official_client(server, client, tiny):
         assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
+def test_n_choices_streaming_or_not(server, client, tiny):
+    """`n` choices: greedy ones all equal the one greedy reply; seeded sampled ones are reproducible per
+    choice; streamed chunks carry their choice's index; usage counts the prompt once."""
+    model, tokenizer = tiny
+    prompt = chat_prompt_ids(tokenizer, MESSAGES)
+    greedy = greedy_text(tiny, prompt, 10)
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, n=3)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [greedy] * 3
+    assert whole.usage.prompt_tokens == len(prompt)
+    assert whole.usage.completion_tokens == 3 * whole.usage.completion_tokens // 3 > 0
+
+    def sampled():
+        reply = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=10, n=3, temperature=1.0, seed=11
+        )
+        return [c.message.content for c in reply.choices]
+
+    first = sampled()
+    assert first == sampled() and len(set(first)) > 1  # per-choice seeds: distinct, reproducible
+
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=10, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: greedy, 1: greedy}
+
+
 def test_max_tokens_stop_strings_and_per_request_tau(client):
     def chat(**fields):
         extra = {k: fields.pop(k) for k in ("tau", "block_size", "verify") if k in fields}
@@ -288,7 +316,8 @@ def test_each_error_has_its_status_and_body(server, client):
         ("tau", 0, "tau"),
         ("temperature", -1, "temperature"),
         ("max_tokens", 0, "max_tokens"),
-        ("n", 2, "n"),
+        ("n", 9, "n"),  # AppConfig.max_n is 8
+        ("n", 0, "n"),
         ("stop", ["a", "b", "c", "d", "e"], "stop"),
         ("max_tokens", 2000, "max_tokens"),  # the prompt plus 2000 is beyond the 1024-token context
         ("block_size", 99, "block_size"),

@@ -14,13 +14,14 @@ through Serve's ingress wrapper.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -264,6 +265,46 @@ async def _merged(chunks: AsyncIterator[Chunk]) -> Chunk:
     return merged
 
 
+def _cancel(calls: Sequence[DeploymentResponse | DeploymentResponseGenerator]) -> None:
+    """Cancel handle calls (the other choices of a request that failed); one that Serve turned away
+    re-raises its error when cancelled, and has nothing to free."""
+    for call in calls:
+        with contextlib.suppress(Exception):
+            call.cancel()
+
+
+async def _interleaved(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """The chunks of several streams as they come, each with the index of its stream; the first failure
+    ends it."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk))
+            await queue.put((index, None))
+        except Exception as error:
+            await queue.put((index, error))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                index, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _event(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -318,6 +359,8 @@ class OpenAIIngress:
     def _check_bounds(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """The app's per-request bounds that a static schema cannot know (400 naming the field)."""
         config = self.config
+        if body.n > config.max_n:
+            raise RequestError(f"at most {config.max_n} choices per request", "n")
         if len(getattr(body, "messages", [])) > config.max_messages:
             raise RequestError(f"at most {config.max_messages} messages per request", "messages")
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
@@ -330,61 +373,84 @@ class OpenAIIngress:
         messages = [m.as_template_input() for m in body.messages]
         engine, builder = self._engine(body.model), ResponseBuilder(chat=True, model=body.model)
         if body.stream:
-            chunks = engine.options(stream=True).chat.remote(messages, body.params())
-            return await self._stream(chunks, body, builder)
-        return await self._whole(engine.chat_whole.remote(messages, body.params()), builder)
+            chat = engine.options(stream=True).chat
+            return await self._stream(lambda params: chat.remote(messages, params), body, builder)
+        return await self._whole(lambda params: engine.chat_whole.remote(messages, params), body, builder)
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         self._check_bounds(body)
         engine, builder = self._engine(body.model), ResponseBuilder(chat=False, model=body.model)
         if body.stream:
-            chunks = engine.options(stream=True).complete.remote(body.prompt, body.params())
-            return await self._stream(chunks, body, builder)
-        return await self._whole(engine.complete_whole.remote(body.prompt, body.params()), builder)
+            complete = engine.options(stream=True).complete
+            return await self._stream(lambda params: complete.remote(body.prompt, params), body, builder)
+        whole = engine.complete_whole
+        return await self._whole(lambda params: whole.remote(body.prompt, params), body, builder)
 
-    async def _whole(self, response: DeploymentResponse, builder: ResponseBuilder):
-        """One round trip: the replica merged the chunks (errors still become status codes)."""
-        try:
-            last = await response
-        except BackPressureError as error:
-            return _overloaded(error)
-        return builder.whole(last.text, last)
-
-    async def _stream(
+    async def _whole(
         self,
-        chunks: DeploymentResponseGenerator,
+        call: Callable[[SamplingParams], DeploymentResponse],
         body: ChatCompletionRequest | CompletionRequest,
         builder: ResponseBuilder,
     ):
-        """Wait until the engine accepts the request (errors still become status codes), then stream."""
+        """One round trip per choice: the replica merged its chunks (errors still become status codes;
+        Serve may turn a call away as it is made)."""
+        responses: list[DeploymentResponse] = []
         try:
-            first = await chunks.__anext__()
+            responses = [call(params) for params in body.choice_params()]
+            lasts = await asyncio.gather(*responses)
         except BackPressureError as error:
+            _cancel(responses)
             return _overloaded(error)
         except BaseException:
-            chunks.cancel()
+            _cancel(responses)
             raise
-        events = self._events(chunks, first, body.include_usage, builder)
+        return builder.whole(lasts)
+
+    async def _stream(
+        self,
+        call: Callable[[SamplingParams], DeploymentResponseGenerator],
+        body: ChatCompletionRequest | CompletionRequest,
+        builder: ResponseBuilder,
+    ):
+        """Wait until the engine accepts every choice (errors still become status codes), then stream
+        them interleaved, each chunk under its choice's index."""
+        streams: list[DeploymentResponseGenerator] = []
+        try:
+            streams = [call(params) for params in body.choice_params()]
+            firsts = [await stream.__anext__() for stream in streams]
+        except BackPressureError as error:
+            _cancel(streams)
+            return _overloaded(error)
+        except BaseException:
+            _cancel(streams)
+            raise
+        events = self._events(streams, firsts, body.include_usage, builder)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _events(
-        self, chunks: DeploymentResponseGenerator, first: Chunk, include_usage: bool, builder: ResponseBuilder
+        self,
+        streams: list[DeploymentResponseGenerator],
+        firsts: list[Chunk],
+        include_usage: bool,
+        builder: ResponseBuilder,
     ) -> AsyncIterator[str]:
-        last = first
+        lasts = list(firsts)
         try:
-            yield _event(builder.piece(first, first=True))
-            async for chunk in chunks:
-                last = chunk
-                yield _event(builder.piece(chunk, first=False))
+            for index, first in enumerate(firsts):
+                yield _event(builder.piece(first, first=True, index=index))
+            async for index, chunk in _interleaved(streams):
+                lasts[index] = chunk
+                yield _event(builder.piece(chunk, first=False, index=index))
             if include_usage:
-                yield _event(builder.usage_piece(last))
+                yield _event(builder.usage_piece(lasts))
             yield _event("[DONE]")
         except Exception as error:  # the status line is gone: report in the stream, as OpenAI does
             yield _event(error_body(f"generation failed: {error}", kind="server_error"))
         finally:
-            if last.finish_reason is None:  # the client left mid-stream (or it failed): free the row
-                chunks.cancel()
+            for stream, last in zip(streams, lasts, strict=True):
+                if last.finish_reason is None:  # the client left mid-stream (or it failed): free the row
+                    stream.cancel()
 
 
 def build_app(args: dict | AppConfig) -> Application:

@@ -159,6 +159,7 @@ class AppConfig(BaseModel):
     # Bounds on what one request may carry (the context, the batch and the queue bound the rest).
     max_body_bytes: int = Field(1 << 20, ge=1024, description="request body size; larger: 413")
     max_messages: int = Field(256, ge=1, description="messages in one chat request; more: 400")
+    max_n: int = Field(8, ge=1, description="choices (`n`) in one request; more: 400")
     max_stop_chars: int = Field(256, ge=1, description="characters in one stop string; longer: 400")
 
     @field_validator("api_key", mode="before")

@@ -1,14 +1,16 @@
 """The OpenAI wire format: request bodies (validated, 400 on a bad field) and response objects.
 
-Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `n`, which
-must be 1, and `echo`, which is refused. `logprobs` / `top_logprobs` (chat) and `logprobs: k`
-(completions) come back in OpenAI's shapes (see `DecodeConfig` for what a MARS token's log-probability
-is). MARS adds `tau`, `block_size` and `verify` (the `openai` client sends them through `extra_body`);
-`usage` adds `forward_passes`, the `tau` and the `mode` the request ran at.
+Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `echo`,
+which is refused. `n` choices are rows of the same batch (the prompt is prefilled per row).
+`logprobs` / `top_logprobs` (chat) and `logprobs: k` (completions) come back in OpenAI's shapes (see
+`DecodeConfig` for what a MARS token's log-probability is). MARS adds `tau`, `block_size` and `verify` (the
+`openai` client sends them through `extra_body`); `usage` adds `forward_passes`, the `tau` and the `mode`
+the request ran at.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Literal
@@ -48,7 +50,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = 1
+    n: int = Field(1, ge=1, description="choices: rows of the same batch, each decoded as if alone")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -58,13 +60,6 @@ class _Request(BaseModel):
     verify: bool | None = Field(
         None, description="MARS verified decoding: exactly greedy at any tau (tau picks the proposals)"
     )
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -86,6 +81,14 @@ class _Request(BaseModel):
             seed=self.seed,
             stop=tuple(stop),
         )
+
+    def choice_params(self) -> list[SamplingParams]:
+        """What each of the `n` choices asks for: the same, but a seeded sampler gets seed + i for choice
+        i (distinct samples, each reproducible)."""
+        params = self.params()
+        if params.seed is None or params.temperature <= 0:
+            return [params] * self.n
+        return [dataclasses.replace(params, seed=(params.seed + i) % (1 << 63)) for i in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -158,14 +161,16 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(chunk: Chunk) -> dict:
+def usage(lasts: list[Chunk]) -> dict:
+    """One request's usage over its choices: the prompt counted once, completions and forwards summed."""
+    completion = sum(c.completion_tokens for c in lasts)
     return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-        "forward_passes": chunk.forward_passes,
-        "tau": chunk.tau,
-        "mode": chunk.mode,
+        "prompt_tokens": lasts[0].prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": lasts[0].prompt_tokens + completion,
+        "forward_passes": sum(c.forward_passes for c in lasts),
+        "tau": lasts[0].tau,
+        "mode": lasts[0].mode,
     }
 
 
@@ -174,7 +179,9 @@ class ResponseBuilder:
 
     def __init__(self, chat: bool, model: str) -> None:
         self.chat, self.model = chat, model
-        self.text_offset = 0  # completions' logprobs: characters of text before the next token
+        self.text_offsets: dict[
+            int, int
+        ] = {}  # completions' logprobs, per choice: text before the next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -188,28 +195,42 @@ class ResponseBuilder:
             **extra,
         }
 
-    def whole(self, text: str, last: Chunk) -> dict:
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": last.finish_reason}
-            choice["logprobs"] = self._logprobs(last.logprobs)
-            return self._envelope("chat.completion", [choice], usage=usage(last))
-        logprobs = self._logprobs(last.logprobs)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage(last))
+    def whole(self, lasts: list[Chunk]) -> dict:
+        """The response of a request that did not stream: one choice per merged chunk, in order."""
+        choices = []
+        for index, last in enumerate(lasts):
+            logprobs = self._logprobs(last.logprobs, index)
+            if self.chat:
+                message = {"role": "assistant", "content": last.text}
+                choices.append({"index": index, "message": message, "logprobs": logprobs})
+            else:
+                choices.append({"index": index, "text": last.text, "logprobs": logprobs})
+            choices[-1]["finish_reason"] = last.finish_reason
+        object_type = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(object_type, choices, usage=usage(lasts))
 
-    def piece(self, chunk: Chunk, first: bool) -> dict:
-        logprobs = self._logprobs(chunk.logprobs)
+    def piece(self, chunk: Chunk, first: bool, index: int = 0) -> dict:
+        logprobs = self._logprobs(chunk.logprobs, index)
         if self.chat:
             delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
             if chunk.finish_reason and not chunk.text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": chunk.finish_reason,
+            }
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+        choice = {
+            "index": index,
+            "text": chunk.text,
+            "logprobs": logprobs,
+            "finish_reason": chunk.finish_reason,
+        }
         return self._envelope("text_completion", [choice])
 
-    def _logprobs(self, logprobs: list[Logprob] | None) -> dict | None:
+    def _logprobs(self, logprobs: list[Logprob] | None, index: int) -> dict | None:
         """OpenAI's shapes: chat `{content: [{token, logprob, bytes, top_logprobs}]}`; completions
         `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets from this piece's start)."""
         if logprobs is None:
@@ -224,11 +245,11 @@ class ResponseBuilder:
                 for lp in logprobs
             ]
             return {"content": content}
-        offsets, offset = [], self.text_offset
+        offsets, offset = [], self.text_offsets.get(index, 0)
         for lp in logprobs:
             offsets.append(offset)
             offset += len(lp.token)
-        self.text_offset = offset
+        self.text_offsets[index] = offset
         return {
             "tokens": [lp.token for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
@@ -236,7 +257,7 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def usage_piece(self, last: Chunk) -> dict:
+    def usage_piece(self, lasts: list[Chunk]) -> dict:
         """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
         object_type = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(object_type, [], usage=usage(last))
+        return self._envelope(object_type, [], usage=usage(lasts))
