@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import hypothesis
@@ -517,27 +520,48 @@ def test_loadtest_table_against_the_app(server, capsys):
     assert "| the app as a peer | 4 | 32 |" in out  # the same budget, through the peer path
 
 
-def test_metrics_are_exported_per_model(server, client):
-    """Every engine metric reaches Ray's Prometheus endpoint, labelled with the model it belongs to."""
+def test_metrics_are_exported_per_model_and_the_dashboard_reads_them(server, client):
+    """Every engine metric (vLLM's families under `mars_`) reaches Ray's Prometheus endpoint, labelled with
+    the model it belongs to, and every query of the Grafana dashboard in k8s/ names a metric exported."""
     import ray
 
-    client.completions.create(model="tiny", prompt="Count from 3 to 9.", max_tokens=8)
+    client.completions.create(
+        model="tiny", prompt="Count from 3 to 9.", max_tokens=8, extra_body={"tau": 1e-4}
+    )
+    client.completions.create(model="tiny", prompt="Count to 5.", max_tokens=8, extra_body={"tau": 1.0})
     port = ray.nodes()[0]["MetricsExportPort"]
     names = [
-        "ray_mars_requests_total",
-        "ray_mars_generated_tokens_total",
+        "ray_mars_request_success_total",
+        "ray_mars_prompt_tokens_total",
+        "ray_mars_generation_tokens_total",
         "ray_mars_forward_passes_total",
+        "ray_mars_spec_decode_num_drafts_total",
+        "ray_mars_spec_decode_num_draft_tokens_total",
+        "ray_mars_spec_decode_num_accepted_tokens_total",
+        "ray_mars_spec_decode_num_accepted_tokens_per_pos_total",
         "ray_mars_tokens_per_forward_bucket",
         "ray_mars_tau",
-        "ray_mars_queue_depth",
-        "ray_mars_batch_size",
+        "ray_mars_num_requests_waiting",
+        "ray_mars_num_requests_running",
         "ray_mars_time_to_first_token_seconds_bucket",
         "ray_mars_inter_token_latency_seconds_bucket",
+        "ray_mars_e2e_request_latency_seconds_bucket",
+        "ray_mars_request_queue_time_seconds_bucket",
     ]
-    deadline, missing = time.monotonic() + 150, names
+    deadline, missing, text = time.monotonic() + 150, names, ""
     while missing and time.monotonic() < deadline:  # replicas report every few seconds
         time.sleep(2)
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         labelled = [line for line in text.splitlines() if 'model="tiny"' in line]
         missing = [name for name in names if not any(line.startswith(name + "{") for line in labelled)]
     assert not missing, f"not exported for model tiny: {missing}"
+
+    dashboard = json.loads((Path(__file__).parents[1] / "k8s" / "grafana-dashboard.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"ray_mars_[a-z0-9_]+", target["expr"])
+    }
+    exported = {line.split("{")[0] for line in text.splitlines() if line.startswith("ray_mars_")}
+    assert len(queried) >= 12 and queried <= exported, sorted(queried - exported)

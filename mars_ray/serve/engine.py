@@ -124,10 +124,19 @@ class EngineStats:
 
 
 class EngineMetrics:
-    """Where the engine reports what it does; the Serve deployment exports these (no-ops here)."""
+    """Where the engine reports what it does; the Serve deployment exports these (no-ops here).
 
-    def step(self, accepted: Sequence[int]) -> None:
-        """One forward, with the number of tokens each row accepted."""
+    Shaped like vLLM's metric families, so that its dashboards' queries carry over: per row and forward,
+    `drafted` is how many proposals the forward offered that row (a lossy row: its window's W-1 mask
+    slots; a verified row: the drafts it checked; 0 at one token per forward) and `accepted` how many
+    tokens it took (at most drafted + 1), as vLLM's speculative-decoding counters count them.
+    """
+
+    def step(self, accepted: Sequence[int], drafted: Sequence[int]) -> None:
+        """One forward: per row, the tokens it accepted and the proposals it was offered."""
+
+    def admitted(self, queued_seconds: float, prompt_tokens: int) -> None:
+        """A request got its row after waiting this long."""
 
     def first_token(self, seconds: float) -> None:
         """Time from a request's arrival to its first accepted token."""
@@ -135,8 +144,8 @@ class EngineMetrics:
     def inter_token(self, seconds: float) -> None:
         """Time per token between two of a request's forwards."""
 
-    def finished(self, reason: str) -> None:
-        """A request ended: stop, length, cancelled or error."""
+    def finished(self, reason: str, seconds: float) -> None:
+        """A request ended (stop, length, cancelled or error) this long after it arrived."""
 
     def load(self, waiting: int, running: int) -> None:
         """Requests waiting for a row, and rows in the batch."""
@@ -373,8 +382,7 @@ class Engine:
             if request.finish_reason is None:
                 request.finish_reason = "error"
                 request.outbox.put_nowait(RuntimeError("the engine shut down"))
-                self._finished["error"] += 1
-                self.metrics.finished("error")
+                self._end(request)
         self._waiting.clear()
         self._running.clear()
         if self._own_executor:
@@ -446,8 +454,7 @@ class Engine:
             self.decoder.remove(leaving)
         for request in self._cancelled:
             self._running.pop(id(request.state), None)
-            self._finished["cancelled"] += 1
-            self.metrics.finished("cancelled")
+            self._end(request)
         self._cancelled.clear()
 
     def _admit(self) -> None:
@@ -455,6 +462,7 @@ class Engine:
             request = self._waiting.popleft()
             self._running[id(request.state)] = request
             self.decoder.add(request.state)
+            self.metrics.admitted(time.monotonic() - request.arrived, len(request.state.prompt))
 
     def _follow_operating_point(self) -> None:
         for request in self._running.values():
@@ -495,19 +503,24 @@ class Engine:
                 request.outbox.put_nowait(request.chunk(text, self.tokenizer))
             if request.finish_reason:
                 self._running.pop(id(request.state))
-                self._finished[request.finish_reason] += 1
-                self.metrics.finished(request.finish_reason)
+                self._end(request)
         still_batched = [s for s in stopped if any(s is row for row in self.decoder.seqs)]
         if still_batched:
             self.decoder.remove(still_batched)
         if not stepped:  # the step only cached joining prompts
             return
         accepted = [len(tokens) for _, tokens in stepped]
+        drafted = [s.drafted[-1] if s.config.verify else s.config.window - 1 for s, _ in stepped]
         self._steps.append((now, len(stepped), sum(accepted)))
         self._forget_before(now - self.config.stats_window_s)
         self._generated += sum(accepted)
         self._forwards += 1
-        self.metrics.step(accepted)
+        self.metrics.step(accepted, drafted)
+
+    def _end(self, request: _Request) -> None:
+        """Count a request that ended (its `finish_reason` set)."""
+        self._finished[request.finish_reason] += 1
+        self.metrics.finished(request.finish_reason, time.monotonic() - request.arrived)
 
     def _fail_running(self, error: Exception) -> None:
         """Answer every batched request with the error and start from an empty cache."""
@@ -515,7 +528,6 @@ class Engine:
             if request.finish_reason is None:
                 request.finish_reason = "error"
                 request.outbox.put_nowait(RuntimeError(f"decoding failed: {error}"))
-                self._finished["error"] += 1
-                self.metrics.finished("error")
+                self._end(request)
         self._running.clear()
         self.decoder = SlidingDecoder(self.model, self.tokenizer.mask_token_id, self.tokenizer.pad_token_id)
