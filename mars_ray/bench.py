@@ -25,20 +25,23 @@ import json
 import math
 import platform
 import time
+import typing
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from mars_ray import models
+from mars_ray import cli_args, models
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine, SamplingParams
 
-METHODS = (
+Method = Literal[
     "ar",
     "ar-sliding",
     "prompt-lookup",
@@ -47,44 +50,38 @@ METHODS = (
     "mars-block",
     "mars-block-fused",
     "engine",
-)
+]
+METHODS: tuple[str, ...] = typing.get_args(Method)
 PROMPT_SOURCES = ("mixed", "tasks", "dialogs")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    model: str
-    prompts: int = 16  # held-out prompts
-    prompt_source: str = "mixed"  # half generated tasks and half real dialogs, or only one of them
-    max_new_tokens: int = 64
-    batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
-    cache_blocks: tuple[int, ...] = (4, 8, 16, 32)
-    tau: float = 0.9
-    block_size: int | None = None  # default: the trained B
-    allow_wider_window: bool = False
-    methods: tuple[str, ...] = METHODS
-    baseline: str | None = None  # the base model: HF generate on it is what every ratio is taken against
-    device: str = "cpu"
-    dtype: str = "auto"
-    repeats: int = 3  # rounds of every method in turn; each row reports its median time
-    output: Path | None = None
+class BenchConfig(BaseModel):
+    """`mars-ray bench decode`: every method on the same held-out prompts, budget and batch, one run."""
 
-    def __post_init__(self) -> None:
-        unknown = set(self.methods) - set(METHODS)
-        if unknown:
-            raise ValueError(f"methods: unknown {sorted(unknown)}; choose from {', '.join(METHODS)}")
-        if self.prompt_source not in PROMPT_SOURCES:
-            raise ValueError(
-                f"prompt_source must be one of {', '.join(PROMPT_SOURCES)}, got {self.prompt_source!r}"
-            )
-        if not 0 < self.tau <= 1:
-            raise ValueError(f"tau must lie in (0, 1], got {self.tau}")
-        for name in ("prompts", "max_new_tokens", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not self.batch_sizes or min(self.batch_sizes) < 1 or min(self.cache_blocks, default=2) < 1:
-            raise ValueError("batch_sizes and cache_blocks must be positive")
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="the MARS checkpoint: folder, Hub id or preset")
+    prompts: int = Field(16, ge=1, description="held-out prompts")
+    prompt_source: Literal["mixed", "tasks", "dialogs"] = Field(
+        "mixed", description="half generated tasks and half real dialogs, or only one of them"
+    )
+    max_new_tokens: int = Field(64, ge=1, description="reply budget per prompt")
+    batch_sizes: tuple[PositiveInt, ...] = Field((1, 4, 8, 16), min_length=1, description="rows per batch")
+    cache_blocks: tuple[PositiveInt, ...] = Field(
+        (4, 8, 16, 32), description="cache-block sizes Bc of the block-cached decoders"
+    )
+    tau: float = Field(0.9, gt=0, le=1, description="MARS confidence threshold")
+    block_size: int | None = Field(None, ge=1, description="window; default: the trained B")
+    allow_wider_window: bool = Field(False, description="allow a window wider than the trained B")
+    methods: tuple[Method, ...] = Field(METHODS, min_length=1, description="decoders to time")
+    baseline: str | None = Field(
+        None, description="the base model: HF generate on it (`ar-base`) is what every ratio is taken against"
+    )
+    device: str = Field("cpu", description="torch device")
+    dtype: Dtype = Field("auto", description="weights' dtype (auto: as saved)")
+    repeats: int = Field(3, ge=1, description="rounds of every method in turn; each row reports its median")
+    output: Path | None = Field(None, description="JSON path")
 
 
 @dataclass
@@ -411,27 +408,21 @@ def run_bench(config: BenchConfig) -> BenchReport:
     return report
 
 
-@dataclass(frozen=True)
-class ForwardBenchConfig:
+class ForwardBenchConfig(BaseModel):
     """One cached decode step against its window: `[one committed token | window - 1 masks]` after `context`
     cached tokens, which is the sliding decoder's step (window 1 is its AR step). The ratio of a window's
     time to window 1's is the tokens per forward a MARS decoder must accept there just to break even."""
 
-    model: str
-    context: int = 64
-    windows: tuple[int, ...] = (1, 2, 4, 8)
-    batch_sizes: tuple[int, ...] = (1, 4)
-    steps: int = 48  # timed steps per window; the windows take turns step by step
-    device: str = "cpu"
-    dtype: str = "auto"
-    output: Path | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def __post_init__(self) -> None:
-        for name in ("context", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not self.windows or min(self.windows) < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError("windows and batch_sizes must be positive")
+    model: str = Field(description="the checkpoint: folder, Hub id or preset")
+    context: int = Field(64, ge=1, description="cached tokens before the step")
+    windows: tuple[PositiveInt, ...] = Field((1, 2, 4, 8), min_length=1, description="windows to time")
+    batch_sizes: tuple[PositiveInt, ...] = Field((1, 4), min_length=1, description="rows per step")
+    steps: int = Field(48, ge=1, description="timed steps per window; the windows take turns step by step")
+    device: str = Field("cpu", description="torch device")
+    dtype: Dtype = Field("auto", description="weights' dtype (auto: as saved)")
+    output: Path | None = Field(None, description="JSON path")
 
 
 @dataclass
@@ -498,7 +489,7 @@ def _load(model: str, config: BenchConfig | ForwardBenchConfig):
 
 
 def _config_json(config: BenchConfig | ForwardBenchConfig) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+    return config.model_dump(mode="json")
 
 
 def _write_json(path: Path | None, report: dict) -> None:
@@ -524,44 +515,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     decode = kinds.add_parser(
         "decode", help="every decoder on one checkpoint, same prompts and batch, one run"
     )
-    decode.add_argument("--model", required=True)
-    decode.add_argument("--prompts", type=int, default=16)
-    decode.add_argument("--prompt-source", default="mixed", choices=PROMPT_SOURCES)
-    decode.add_argument("--max-new-tokens", type=int, default=64)
-    decode.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
-    decode.add_argument("--cache-blocks", type=int, nargs="+", default=[4, 8, 16, 32])
-    decode.add_argument("--tau", type=float, default=0.9)
-    decode.add_argument("--block-size", type=int, help="window (default: the trained B)")
-    decode.add_argument("--allow-wider-window", action="store_true", help="a window wider than the trained B")
-    decode.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    decode.add_argument("--baseline", help="the base model: `ar-base` (HF generate on it) sets every ratio")
-    decode.add_argument("--device", default="cpu")
-    decode.add_argument("--dtype", default="auto", choices=DTYPES)
-    decode.add_argument("--repeats", type=int, default=3, help="rounds of every method; median time")
-    decode.add_argument("--output", type=Path, help="JSON path")
+    cli_args.add_config_arguments(decode, BenchConfig)
     decode.set_defaults(run=run)
     step = kinds.add_parser("forward", help="one cached decode step's time against the window it carries")
-    step.add_argument("--model", required=True)
-    step.add_argument("--context", type=int, default=64, help="cached tokens before the step")
-    step.add_argument("--windows", type=int, nargs="+", default=[1, 2, 4, 8])
-    step.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    step.add_argument("--steps", type=int, default=48)
-    step.add_argument("--device", default="cpu")
-    step.add_argument("--dtype", default="auto", choices=DTYPES)
-    step.add_argument("--output", type=Path, help="JSON path")
+    cli_args.add_config_arguments(step, ForwardBenchConfig)
     step.set_defaults(run=run_forward)
 
 
-def _config_from_args(kind: type, args: argparse.Namespace):
-    """The typed config from the parsed flags: every flag is named after its field; lists become tuples."""
-    values = {f.name: getattr(args, f.name) for f in fields(kind)}
-    return kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-
-
 def run(args: argparse.Namespace) -> None:
-    print(run_bench(_config_from_args(BenchConfig, args)).table())
+    print(run_bench(cli_args.config_from_args(BenchConfig, args)).table())
 
 
 def run_forward(args: argparse.Namespace) -> None:
-    config = _config_from_args(ForwardBenchConfig, args)
+    config = cli_args.config_from_args(ForwardBenchConfig, args)
     print(forward_table(config, run_forward_bench(config)))

@@ -37,7 +37,9 @@ class CalibrateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(description="the MARS checkpoint folder (its config.json gets the temperatures)")
-    sources: list[Literal["tasks", "chatterbot"]] = Field(default=["tasks", "chatterbot"], min_length=1)
+    sources: list[Literal["tasks", "chatterbot"]] = Field(
+        default=["tasks", "chatterbot"], min_length=1, description="generated tasks and/or real dialogs"
+    )
     tasks_limit: int = Field(default=200, ge=1, description="generated tasks per split")
     dialogs_limit: int = Field(default=200, ge=1, description="real dialogs per split (at most all)")
     max_new_tokens: int = Field(default=64, ge=1, description="greedy reply budget")
@@ -45,7 +47,7 @@ class CalibrateConfig(BaseModel):
     bins: int = Field(default=10, ge=2, description="confidence bins of the ECE and the diagrams")
     write: bool = Field(default=True, description="store the temperatures in the checkpoint")
     plot: Path | None = Field(default=None, description="reliability diagrams PNG")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="weights' dtype")
 
 
 class SlotStats(BaseModel):

@@ -16,13 +16,18 @@ from mars_ray.train import command as train
 SUBCOMMANDS = (generate, evaluate, calibrate, bench, prepare, distill, train, quickstart, serve)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mars-ray", description="Train and serve MARS multi-token models on Ray"
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -53,6 +53,15 @@ def add_config_arguments(
         parser.add_argument(flag(name), required=field.is_required(), **options)
 
 
+def keys_help(config: type[BaseModel]) -> str:
+    """Every field of `config` as `key=value` help: name, description, default (for `key=value` commands)."""
+    lines = []
+    for name, field in config.model_fields.items():
+        default = "required" if field.is_required() else field.get_default(call_default_factory=True)
+        lines.append(f"  {name}: {field.description or ''} (default: {default})")
+    return "config keys (YAML values):\n" + "\n".join(lines)
+
+
 def given(config: type[BaseModel], args: argparse.Namespace) -> dict:
     """The fields of `config` that the parsed flags set (a flag left out is absent, not its default)."""
     return {name: getattr(args, name) for name in config.model_fields if hasattr(args, name)}

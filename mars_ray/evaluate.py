@@ -55,13 +55,15 @@ class EvalConfig(BaseModel):
     )
     block_size: int | None = Field(default=None, ge=1, description="window; default: the trained B")
     allow_wider_window: bool = Field(default=False, description="allow a window wider than the trained B")
-    sources: list[Source] = Field(default=["tasks", "chatterbot"], min_length=1)
+    sources: list[Source] = Field(
+        default=["tasks", "chatterbot"], min_length=1, description="held-out sets: tasks, real dialogs"
+    )
     tasks_limit: int = Field(default=200, ge=1, description="held-out tasks")
     dialogs_limit: int = Field(default=100, ge=1, description="held-out dialogs")
-    max_new_tokens: int = Field(default=64, ge=1)
+    max_new_tokens: int = Field(default=64, ge=1, description="reply budget per prompt")
     batch_size: int = Field(default=16, ge=1, description="rows decoded together")
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = Field(default="cpu", description="torch device")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="weights' dtype")
     check_greedy: bool = Field(
         default=False, description="also decode with HF generate and count tau = 1 replies that differ"
     )

@@ -6,44 +6,49 @@ import argparse
 import json
 import time
 
-from mars_ray import models
+from pydantic import BaseModel, ConfigDict, Field
+
+from mars_ray import cli_args, models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
 from mars_ray.data import chat_prompt_ids
 
 
+class GenerateConfig(BaseModel):
+    """One prompt, decoded with the checkpoint's own decode config (`DecodeConfig.for_model`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="local HF folder, Hub id, or preset (tiny, smollm2-135m)")
+    prompt: str = Field(description="user message (chat template applied when present)")
+    tau: float = Field(1.0, gt=0, le=1, description="confidence threshold; 1.0 = exact greedy AR")
+    block_size: int | None = Field(
+        None, ge=1, description="window: tokens proposed per forward (default: the trained B)"
+    )
+    allow_wider_window: bool = Field(False, description="allow a window wider than the trained B")
+    verify: bool = Field(False, description="verified: exactly greedy at any tau (tau picks the drafts)")
+    max_new_tokens: int = Field(256, ge=1, description="reply budget")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="decode one prompt, several tokens per forward")
-    parser.add_argument(
-        "--model", required=True, help="local HF folder, Hub id, or preset (tiny, smollm2-135m)"
-    )
-    parser.add_argument("--prompt", required=True, help="user message (chat template applied when present)")
-    parser.add_argument("--tau", type=float, default=1.0, help="confidence threshold; 1.0 = exact greedy AR")
-    parser.add_argument(
-        "--block-size", type=int, help="window: tokens proposed per forward (default: the trained B)"
-    )
-    parser.add_argument(
-        "--allow-wider-window", action="store_true", help="allow a window wider than the trained B"
-    )
-    parser.add_argument(
-        "--verify", action="store_true", help="verified: exactly greedy at any tau (tau picks the drafts)"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    cli_args.add_config_arguments(parser, GenerateConfig)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    model, tokenizer = models.load(args.model)
+    asked = cli_args.config_from_args(GenerateConfig, args)
+    model, tokenizer = models.load(asked.model)
     config = DecodeConfig.for_model(
         model,
         tokenizer,
-        args.block_size,
-        allow_wider=args.allow_wider_window,
-        tau=args.tau,
-        max_new_tokens=args.max_new_tokens,
-        verify=args.verify,
+        asked.block_size,
+        allow_wider=asked.allow_wider_window,
+        tau=asked.tau,
+        max_new_tokens=asked.max_new_tokens,
+        verify=asked.verify,
     )
-    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": asked.prompt}])
     start = time.perf_counter()
     result = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
     seconds = time.perf_counter() - start

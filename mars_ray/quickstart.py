@@ -12,15 +12,20 @@ from pathlib import Path
 
 import transformers
 
-from mars_ray import models
+from mars_ray import cli_args, models
 from mars_ray.evaluate import EvalConfig, evaluate
-from mars_ray.train.config import load_config
+from mars_ray.train.config import TrainConfig, load_config
 
 QUICKSTART_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("quickstart", help="train and evaluate the tiny offline demo end to end")
+    parser = subparsers.add_parser(
+        "quickstart",
+        help="train and evaluate the tiny offline demo end to end",
+        epilog=cli_args.keys_help(TrainConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="replace a value of the config")
     parser.add_argument("--config", type=Path, default=QUICKSTART_CONFIG)
     parser.add_argument("--tasks-limit", type=int, default=200, help="held-out tasks to evaluate")

@@ -79,3 +79,49 @@ def test_commands_without_ray_run_where_ray_is_not_installed():
         timeout=300,
     )
     assert needs_ray.returncode != 0 and "ray" in needs_ray.stderr  # the block itself works
+
+
+def test_every_command_help_lists_every_config_field_with_its_description():
+    """One mechanism: each command's config is a typed model whose every field has a description, and its
+    `--help` lists each field (as a flag, or as a key for the `key=value` commands) with that description."""
+    import argparse
+
+    from mars_ray.bench import BenchConfig, ForwardBenchConfig
+    from mars_ray.calibrate import CalibrateConfig
+    from mars_ray.cli import build_parser
+    from mars_ray.cli_args import flag
+    from mars_ray.distill import DistillConfig
+    from mars_ray.evaluate import EvalConfig
+    from mars_ray.generate import GenerateConfig
+    from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
+    from mars_ray.train.config import TrainConfig
+
+    def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return action.choices[name]
+
+    root = build_parser()
+    commands = {
+        ("generate",): [(GenerateConfig, set())],
+        ("eval",): [(EvalConfig, set())],
+        ("calibrate",): [(CalibrateConfig, set())],
+        ("distill",): [(DistillConfig, set())],
+        ("bench", "decode"): [(BenchConfig, set())],
+        ("bench", "forward"): [(ForwardBenchConfig, set())],
+        ("train",): [(TrainConfig, set())],
+        ("quickstart",): [(TrainConfig, set())],
+        ("serve",): [(ModelConfig, {"tau_control"}), (TauObjective, set()), (AppConfig, {"models"})],
+    }
+    for path, configs in commands.items():
+        parser = root
+        for name in path:
+            parser = subparser(parser, name)
+        text = " ".join(parser.format_help().split())
+        for config, skip in configs:
+            keyed = config is TrainConfig
+            for name, field in config.model_fields.items():
+                assert field.description, f"{config.__name__}.{name} has no description"
+                if name in skip:
+                    continue
+                assert (f"{name}:" if keyed else flag(name)) in text, (path, name)
+                assert " ".join(field.description.split()[:3]) in text, (path, name)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from mars_ray import cli_args
 from mars_ray.train.config import TrainConfig, load_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    keys = ", ".join(TrainConfig.model_fields)
     parser = subparsers.add_parser(
         "train",
         help="AR SFT then MARS on Ray Train workers",
-        description=f"Config keys: {keys}.",
+        description="A YAML config (--config) and key=value overrides, validated before any worker starts.",
+        epilog=cli_args.keys_help(TrainConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML file of config keys (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="replace a config value (YAML)")

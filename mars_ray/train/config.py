@@ -43,7 +43,9 @@ class TrainConfig(BaseModel):
     max_length: int = Field(default=512, ge=2, description="tokens kept per chat (its first ones)")
     name: str = Field(default="mars", pattern=r"^[\w.-]+$", description="run name; rerunning it resumes")
     output_dir: str = Field(default=str(models.home() / "runs"), description="runs live in output_dir/name")
-    stages: list[Stage] = Field(default=["ar-sft", "mars"], min_length=1)
+    stages: list[Stage] = Field(
+        default=["ar-sft", "mars"], min_length=1, description="both, or one (`[mars]` starts from model)"
+    )
     # the MARS objective
     block_size: int = Field(default=4, ge=2, description="B: tokens predicted per block in stage mars")
     ar_weight: float = Field(default=1.0, ge=0, description="weight of the clean-stream (AR) loss")
@@ -61,13 +63,13 @@ class TrainConfig(BaseModel):
     batch_size: int = Field(default=8, ge=1, description="examples per worker per micro-step")
     grad_accum: int = Field(default=1, ge=1, description="micro-steps per optimizer step")
     group_by_length: bool = Field(default=False, description="batch chats of similar length (less padding)")
-    lr: float = Field(default=5e-6, gt=0)
-    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0)
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = 42
+    lr: float = Field(default=5e-6, gt=0, description="AdamW peak learning rate (cosine after the warmup)")
+    warmup_ratio: float = Field(default=0.03, ge=0, lt=1, description="share of the steps warming up")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping")
+    seed: int = Field(default=42, description="batches, shuffles and initialisation")
     # Ray Train
-    num_workers: int = Field(default=2, ge=1)
+    num_workers: int = Field(default=2, ge=1, description="Ray Train workers (DDP)")
     cpus_per_worker: int = Field(default=1, ge=1, description="also the torch threads of a CPU worker")
     use_gpu: bool = Field(default=False, description="one GPU per worker, NCCL")
     precision: Literal["auto", "fp32", "bf16"] = Field(
@@ -76,7 +78,7 @@ class TrainConfig(BaseModel):
         " and on a CPU with native bf16 (AVX512-BF16), fp32 elsewhere",
     )
     checkpoint_every: int = Field(default=100, ge=1, description="steps between checkpoints (and at the end)")
-    keep_checkpoints: int = Field(default=2, ge=1)
+    keep_checkpoints: int = Field(default=2, ge=1, description="checkpoints kept per stage (the newest)")
     max_failures: int = Field(default=3, ge=0, description="worker-group restarts from the last checkpoint")
 
     @field_validator("datasets", "stages", mode="before")
