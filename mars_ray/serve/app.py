@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, BackpressureConfig
 from ray.serve.deployment import Application
@@ -77,6 +78,22 @@ async def _unservable_request(request: Request, error: RequestError) -> JSONResp
 async def _unknown_model(request: Request, error: UnknownModel) -> JSONResponse:
     message = f"The model `{error.args[0]}` does not exist."
     return JSONResponse(error_body(message, "model", code="model_not_found"), status_code=404)
+
+
+@api.exception_handler(RayError)
+async def _replica_lost(request: Request, error: RayError) -> JSONResponse:
+    """An engine replica that died (or an actor call that failed) under a request: a 503 with an OpenAI
+    body (the client may retry: Serve replaces the replica), not a bare 500."""
+    if isinstance(error, RequestError):  # the engine's 400, wrapped by Ray in a class that is both
+        return await _unservable_request(request, error)
+    message = f"the model's replica failed: {_cause(error)}"
+    body = error_body(message, kind="server_error", code="replica_failed")
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of an error's message (Ray's carry a whole remote traceback)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _overloaded(error: BackPressureError) -> JSONResponse:
@@ -474,8 +491,9 @@ class OpenAIIngress:
             if include_usage:
                 yield _event(builder.usage_piece(lasts))
             yield _event("[DONE]")
-        except Exception as error:  # the status line is gone: report in the stream, as OpenAI does
-            yield _event(error_body(f"generation failed: {error}", kind="server_error"))
+        except Exception as error:  # the status line is gone: report in the stream, then end it
+            yield _event(error_body(f"generation failed: {_cause(error)}", kind="server_error"))
+            yield _event("[DONE]")
         finally:
             for stream, last in zip(streams, lasts, strict=True):
                 if last.finish_reason is None:  # the client left mid-stream (or it failed): free the row
@@ -497,6 +515,8 @@ def build_app(args: dict | AppConfig) -> Application:
     return OpenAIIngress.options(
         ray_actor_options={"num_cpus": config.ingress_num_cpus},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
+        # The ingress holds the HTTP streams: replaced, it drains them as long as the engines do.
+        graceful_shutdown_timeout_s=max(m.graceful_shutdown_timeout_s for m in config.models),
     ).bind(engines, board, config)
 
 
@@ -509,6 +529,9 @@ def _engine_deployment(model: ModelConfig):
         max_queued_requests=model.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=503, retry_after_s=model.retry_after_s),
         max_constructor_retry_count=3,  # a model that does not load fails soon, not after 20 tries
+        # A replica being replaced (a redeploy that restarts it) or removed (scale-in) first finishes its
+        # requests, streams included, for up to this long.
+        graceful_shutdown_timeout_s=model.graceful_shutdown_timeout_s,
     )
     if model.tau_control:
         options["user_config"] = model.tau_control.model_dump()

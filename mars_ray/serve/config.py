@@ -95,6 +95,11 @@ class ModelConfig(BaseModel):
     max_ongoing_requests: int = Field(64, ge=1, description="per replica: running plus waiting in the engine")
     max_queued_requests: int = Field(64, ge=0, description="per caller, beyond which requests get a 503")
     retry_after_s: float = Field(1.0, ge=0, description="the Retry-After a rejected request is given")
+    graceful_shutdown_timeout_s: float = Field(
+        120.0,
+        ge=0,
+        description="a replica restarted or scaled in first finishes its requests, up to this long",
+    )
     tau_control: TauObjective | None = Field(
         None,
         description="load-adaptive tau; None keeps `tau` fixed. It becomes the engine deployment's "

@@ -64,6 +64,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # each token's log-probability and this many alternatives
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the reply (as the model's EOS does)
+    ignore_eos: bool = False  # the model's own stop tokens do not end it (max_tokens does)
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,9 @@ class Engine:
                 f"this model's context of {self.max_context}",
                 "max_tokens",
             )
+        if not all(0 <= token < self.vocab_size for token in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
+        stops = () if params.ignore_eos else self.decode.stop_token_ids
         block_size = self._block_size if params.block_size is None else params.block_size
         if not 1 <= block_size <= self.max_block_size:
             raise RequestError(f"block_size must be in [1, {self.max_block_size}]", "block_size")
@@ -348,6 +353,7 @@ class Engine:
                 top_p=params.top_p,
                 seed=params.seed,
                 logprobs=params.logprobs,
+                stop_token_ids=tuple(dict.fromkeys(stops + params.stop_token_ids)),
             )
         except ConfigError as error:
             field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)

@@ -55,6 +55,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=16, description="more stop tokens")
+    ignore_eos: bool = Field(False, description="the model's stop tokens do not end the reply")
     tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
     block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
     verify: bool | None = Field(
@@ -72,6 +74,8 @@ class _Request(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             logprobs=logprobs,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             tau=self.tau,
             block_size=self.block_size,
