@@ -267,6 +267,26 @@ def test_logprobs_are_the_models_own_for_greedy_and_verified_tokens(tiny_llama, 
                 assert lp.logprob <= 0
 
 
+@pytest.mark.parametrize(("tau", "verify"), [(1.0, False), (0.3, True), (0.3, False)])
+def test_min_tokens_holds_stop_tokens_back_as_generate_does(tiny_llama, tau, verify):
+    """A stop token the model would emit early is never proposed before `min_tokens`: greedy and verified
+    decoding equal HF `generate(min_new_tokens=...)`; lossy decoding stops no earlier either."""
+    for prompt in random_prompts(3, seed=50):
+        free = decode_reference(tiny_llama, prompt, MASK_ID, DecodeConfig(max_new_tokens=12)).tokens
+        stop = free[1]  # the second token would end the reply at once
+        config = DecodeConfig(
+            tau=tau, block_size=4, max_new_tokens=12, stop_token_ids=(stop,), min_tokens=6, verify=verify
+        )
+        got = decode_cached(tiny_llama, [prompt], MASK_ID, config)[0].tokens
+        assert stop not in got[:6]
+        if tau >= 1 or verify:
+            options = {"max_new_tokens": 12, "min_new_tokens": 6, "eos_token_id": stop}
+            expected = tiny_llama.generate(torch.tensor([prompt]), do_sample=False, **options)
+            expected = expected[0, len(prompt) :].tolist()
+            expected = expected[: expected.index(stop) + 1] if stop in expected else expected
+            assert got == expected
+
+
 def test_window_slots_do_not_depend_on_trailing_masks(tiny_llama):
     prompt = torch.tensor([random_prompts(1, seed=7)[0]])
     w = 4

@@ -226,6 +226,65 @@ def test_n_choices_streaming_or_not(server, client, tiny):
     assert texts == {0: greedy, 1: greedy}
 
 
+def test_vllm_request_fields_and_routes(server, client, tiny):
+    """What a client written for vLLM sends, unchanged: `min_tokens`, `stop_token_ids`, `ignore_eos` and
+    `include_stop_str_in_output` in the body, `GET /v1/models/{id}`, `POST /tokenize` and `/detokenize`
+    with vLLM's request and response shapes."""
+    model, tokenizer = tiny
+    prompt = chat_prompt_ids(tokenizer, MESSAGES)
+    greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt) :]
+    stop = int(greedy[0])  # ends the reply at once
+
+    def reply(**extra):
+        return client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=12, extra_body={"tau": 1.0, **extra}
+        )
+
+    stopped = reply(stop_token_ids=[stop])
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = reply(stop_token_ids=[stop], min_tokens=6)
+    expected = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=6, eos_token_id=stop
+    )[0, len(prompt) :].tolist()
+    expected = expected[: expected.index(stop) + 1] if stop in expected else expected
+    assert held.usage.completion_tokens == len(expected)
+    assert held.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply(ignore_eos=True).usage.completion_tokens == 12
+    text = reply().choices[0].message.content
+    stop_string = text[3:6]
+    assert reply(stop=[stop_string]).choices[0].message.content == text[: text.index(stop_string)]
+    with_stop = reply(stop=[stop_string], include_stop_str_in_output=True).choices[0].message.content
+    assert with_stop == text[: text.index(stop_string) + len(stop_string)]
+
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    tokenized = httpx.post(
+        f"{server}/tokenize", json={"model": "tiny", "messages": MESSAGES}, timeout=60
+    ).json()
+    assert (
+        tokenized["tokens"] == prompt and tokenized["count"] == len(prompt) and tokenized["max_model_len"] > 0
+    )
+    plain = httpx.post(
+        f"{server}/tokenize", json={"model": "tiny", "prompt": "Count to 5."}, timeout=60
+    ).json()
+    assert plain["tokens"] == tokenizer("Count to 5.")["input_ids"]
+    back = httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": plain["tokens"]}, timeout=60)
+    assert back.json() == {"prompt": tokenizer.decode(plain["tokens"])}
+    for route, body, param in [
+        ("/detokenize", {"model": "tiny", "tokens": [10**9]}, "tokens"),
+        ("/tokenize", {"model": "tiny"}, "prompt"),
+        ("/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "min_tokens": -1}, "min_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": MESSAGES, "stop_token_ids": [-5]},
+            "stop_token_ids",
+        ),
+    ]:
+        response = httpx.post(f"{server}{route}", json=body, timeout=60)
+        assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 def test_max_tokens_stop_strings_and_per_request_tau(client):
     def chat(**fields):
         extra = {k: fields.pop(k) for k in ("tau", "block_size", "verify") if k in fields}

@@ -63,6 +63,7 @@ class DecodeConfig:
     verify: bool = False
     vocab_limit: int | None = None  # ids at or past it (padded embedding rows) are never proposed
     logprobs: int | None = None  # record each token's log-probability and this many alternatives
+    min_tokens: int = 0  # stop tokens are never proposed before this many tokens (as min_new_tokens)
 
     @classmethod
     def for_model(
@@ -108,6 +109,7 @@ class DecodeConfig:
             "top_p": 0 < self.top_p <= 1,
             "slot_temperatures": all(t > 0 and math.isfinite(t) for t in self.slot_temperatures),
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            "min_tokens": 0 <= self.min_tokens <= self.max_new_tokens,
         }
         for name, ok in checks.items():
             if not ok:
@@ -266,6 +268,7 @@ def propose(
     """
     first_slot = first_slot or [0] * len(seqs)
     logits = _never_in_mask_slots(logits.float(), seqs, first_slot, mask_id)
+    logits = _no_stop_before_min_tokens(logits, seqs, first_slot)
     tokens = logits.argmax(dim=-1)
     scale = _slot_scales(seqs, logits.shape[1], first_slot)
     scaled = logits if scale is None else logits / scale.to(logits.device)[:, :, None]
@@ -300,6 +303,29 @@ def _never_in_mask_slots(
     columns = torch.arange(width, device=logits.device)[None, :]
     after = columns > torch.tensor(list(first_slot), device=logits.device)[:, None]
     return logits.masked_fill(after[:, :, None] & banned[:, None, :], float("-inf"))
+
+
+def _no_stop_before_min_tokens(
+    logits: torch.Tensor, seqs: Sequence[DecodeState], first_slot: Sequence[int]
+) -> torch.Tensor:
+    """`logits` with a row's stop tokens at -inf in the columns that predict a token before its
+    `min_tokens`-th (HF's `min_new_tokens`). Column c predicts output position c - start, where start is
+    the row's first slot, less its drafts (a verified row's drafts are predicted from the columns before)."""
+    rows = [
+        r
+        for r, seq in enumerate(seqs)
+        if len(seq.tokens) < seq.config.min_tokens and seq.config.stop_token_ids
+    ]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        seq = seqs[row]
+        start = first_slot[row] - len(seq.drafts)
+        end = min(logits.shape[1], start + seq.config.min_tokens - len(seq.tokens))
+        stops = torch.tensor(seq.config.stop_token_ids, device=logits.device)
+        logits[row, max(start, 0) : end, stops] = float("-inf")
+    return logits
 
 
 def _slot_scales(seqs: Sequence[DecodeState], width: int, first_slot: Sequence[int]) -> torch.Tensor | None:

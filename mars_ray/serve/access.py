@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from mars_ray.serve.schema import error_body
 
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # every route but /health and the schema needs the key
 CORS_HEADERS = {
     "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
     "Access-Control-Allow-Headers": "Authorization, Content-Type",
@@ -49,13 +50,14 @@ def _too_large(request: Request) -> bool:
 
 
 async def check_access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """The API key on every /v1 route, compared in constant time (401 with an OpenAI error when missing or
-    wrong; /health stays open for load balancers); CORS headers only for configured origins."""
+    """The API key on every /v1 route and vLLM's /tokenize and /detokenize, compared in constant time (401
+    with an OpenAI error when missing or wrong; /health stays open for load balancers); CORS headers only
+    for configured origins; a body over the limit is a 413."""
     origin = request.headers.get("origin")
     cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"} if origin in ACCESS.origins else {}
     if request.method == "OPTIONS" and cors:  # a browser's preflight
         return JSONResponse({}, headers={**cors, **CORS_HEADERS})
-    if ACCESS.key is not None and request.url.path.startswith("/v1"):
+    if ACCESS.key is not None and request.url.path.startswith(PROTECTED):
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), ACCESS.key):
             headers = {"WWW-Authenticate": "Bearer", **cors}

@@ -35,7 +35,7 @@ from ray.serve.deployment import Application
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 
-from mars_ray.data import chat_prompt_ids
+from mars_ray.data import chat_ids, chat_prompt_ids
 from mars_ray.serve import access
 from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
 from mars_ray.serve.controller import OperatingPoint, TauController
@@ -44,7 +44,9 @@ from mars_ray.serve.policy import tau_first_policy
 from mars_ray.serve.schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ResponseBuilder,
+    TokenizeRequest,
     error_body,
     error_param,
 )
@@ -297,6 +299,26 @@ class EngineDeployment:
     async def complete_whole(self, prompt: str | list[int], params: SamplingParams) -> Chunk:
         return await _merged(self.complete(prompt, params))
 
+    def tokenize(self, source: str | list[dict], add_generation_prompt: bool) -> list[int]:
+        """A prompt's token ids, or a chat's through the model's template (vLLM's /tokenize)."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(source, str):
+            return tokenizer(source)["input_ids"]
+        try:
+            if add_generation_prompt:
+                return chat_prompt_ids(tokenizer, source)
+            return chat_ids(tokenizer, source)
+        except jinja2.TemplateError as error:
+            raise RequestError(f"the chat template rejected the messages: {error}", "messages") from None
+
+    def detokenize(self, tokens: list[int]) -> str:
+        if not all(0 <= token < self.engine.vocab_size for token in tokens):
+            raise RequestError(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+        return self.engine.tokenizer.decode(tokens)
+
+    def max_model_len(self) -> int:
+        return self.engine.max_context
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -394,13 +416,32 @@ class OpenAIIngress:
         """Each live replica of each model: its operating tau, controller state, load and speed."""
         return {"models": await self.board.snapshot.remote()}
 
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mars-ray"}
+
     @api.get("/v1/models")
     async def list_models(self) -> dict:
-        models = [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "mars-ray"}
-            for name in self.engines
-        ]
-        return {"object": "list", "data": models}
+        return {"object": "list", "data": [self._model_card(name) for name in self.engines]}
+
+    @api.get("/v1/models/{model:path}")
+    async def get_model(self, model: str) -> dict:
+        self._engine(model)  # 404 for a model not served
+        return self._model_card(model)
+
+    @api.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's route: a prompt's (or a chat's) token ids, their count and the model's context."""
+        try:
+            source = body.text_or_messages()
+        except ValueError as error:
+            raise RequestError(str(error), "prompt") from None
+        engine = self._engine(body.model)
+        tokens = await engine.tokenize.remote(source, body.add_generation_prompt)
+        return {"count": len(tokens), "max_model_len": await engine.max_model_len.remote(), "tokens": tokens}
+
+    @api.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        return {"prompt": await self._engine(body.model).detokenize.remote(body.tokens)}
 
     def _check_bounds(self, body: ChatCompletionRequest | CompletionRequest) -> None:
         """The app's per-request bounds that a static schema cannot know (400 naming the field)."""

@@ -66,6 +66,8 @@ class SamplingParams:
     logprobs: int | None = None  # each token's log-probability and this many alternatives
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the reply (as the model's EOS does)
     ignore_eos: bool = False  # the model's own stop tokens do not end it (max_tokens does)
+    min_tokens: int = 0  # no stop token before this many tokens
+    include_stop_str_in_output: bool = False  # a stop string ends the text after itself
 
 
 @dataclass(frozen=True)
@@ -354,11 +356,13 @@ class Engine:
                 seed=params.seed,
                 logprobs=params.logprobs,
                 stop_token_ids=tuple(dict.fromkeys(stops + params.stop_token_ids)),
+                min_tokens=min(params.min_tokens, max_tokens),
             )
         except ConfigError as error:
             field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
             raise RequestError(error.message, field) from None
-        return _Request(DecodeState(prompt, config), TextStream(self.tokenizer, params.stop), params)
+        text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        return _Request(DecodeState(prompt, config), text, params)
 
     def _verify_for(self, params: SamplingParams) -> bool:
         """A request's own choice; else the replica's mode, where it applies (verification is greedy)."""

@@ -57,6 +57,8 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=16, description="more stop tokens")
     ignore_eos: bool = Field(False, description="the model's stop tokens do not end the reply")
+    min_tokens: int = Field(0, ge=0, description="no stop token before this many tokens")
+    include_stop_str_in_output: bool = Field(False, description="the text ends after a stop string")
     tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
     block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
     verify: bool | None = Field(
@@ -76,6 +78,8 @@ class _Request(BaseModel):
             logprobs=logprobs,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens,
             tau=self.tau,
             block_size=self.block_size,
@@ -144,9 +148,49 @@ class CompletionRequest(_Request):
         return self.sampling(self.max_tokens, self.logprobs)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if messages is not None and not messages:
+            raise ValueError("messages must not be empty")
+        return messages
+
+    def text_or_messages(self) -> str | list[dict]:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages")
+        return self.prompt if self.messages is None else [m.as_template_input() for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[int]
+
+
 FIELD_NAMES = frozenset(
     name
-    for model in (ContentPart, ChatMessage, StreamOptions, ChatCompletionRequest, CompletionRequest)
+    for model in (
+        ContentPart,
+        ChatMessage,
+        StreamOptions,
+        ChatCompletionRequest,
+        CompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    )
     for name in model.model_fields
 )
 

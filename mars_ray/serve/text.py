@@ -11,14 +11,18 @@ class TextStream:
     """Turns one request's accepted tokens into text deltas whose concatenation is the decoded output.
 
     Text is held back while it may still change: an incomplete UTF-8 character at the end (the decode ends
-    in U+FFFD), or a tail that could be the start of a stop string. A stop string ends the text before it;
-    nothing past it is ever released. Each push decodes only the tokens since the previous push, with the
-    push before that as context (tokenizers that drop a word's leading space at a decode's start need it).
+    in U+FFFD), or a tail that could be the start of a stop string. A stop string ends the text before it
+    (after it, with `include_stop`); nothing past it is ever released. Each push decodes only the tokens
+    since the previous push, with the push before that as context (tokenizers that drop a word's leading
+    space at a decode's start need it).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = (), include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop  # the text ends after the stop string instead of before it
         self.ids: list[int] = []
         self.text = ""  # decoded so far: what may be released, plus what is held back
         self.released = 0  # characters of `text` given out
@@ -62,6 +66,7 @@ class TextStream:
         ]
         if hits:
             end, stop_end = min(hits)
+            end = stop_end if self.include_stop else end
             self.stopped = True
             self.stop_tokens = self._tokens_through(stop_end)
         elif final:
