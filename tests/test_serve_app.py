@@ -186,13 +186,26 @@ def test_logprobs_through_the_official_client(server, client, tiny):
     )
     assert logprobs.text_offset[0] == 0 and all(len(top) <= 2 for top in logprobs.top_logprobs)
 
+    # echo: the prompt first, each of its tokens with the log-probability the model gives it in context
+    echo = {"prompt": "Count from 3 to 9.", "max_tokens": 4, "echo": True}
+    echoed = client.completions.create(model="tiny", logprobs=1, extra_body={"tau": 1.0}, **echo)
+    ids = tokenizer("Count from 3 to 9.")["input_ids"]
+    choice = echoed.choices[0]
+    assert choice.text.startswith("Count from 3 to 9.") and len(choice.logprobs.tokens) == len(ids) + 4
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    with torch.no_grad():
+        prompt_logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    in_context = torch.log_softmax(prompt_logits, dim=-1)[torch.arange(len(ids) - 1), ids[1:]].tolist()
+    assert choice.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(in_context, abs=1e-4)
+    streamed_echo = client.completions.create(model="tiny", stream=True, **echo)
+    assert "".join(c.choices[0].text for c in streamed_echo if c.choices).startswith("Count from 3 to 9.")
+
     chat_url, text_url = f"{server}/v1/chat/completions", f"{server}/v1/completions"
     base = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
     for url, body, param in [
         (chat_url, {**base, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         (chat_url, {**base, "top_logprobs": 2}, "top_logprobs"),
         (text_url, {"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs"),
-        (text_url, {"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
     ]:
         response = httpx.post(url, json=body, timeout=60)
         assert response.status_code == 400 and error_of(response)["param"] == param, response.text

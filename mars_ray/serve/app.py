@@ -288,8 +288,16 @@ class EngineDeployment:
 
     async def complete(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         ids = self.engine.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        echoed = None
+        if params.echo:  # the prompt, first, in the request's first chunk
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+            logprobs = None
+            if params.logprobs is not None and ids:
+                logprobs = await self.engine.prompt_logprobs(ids, params.logprobs)
+            echoed = Chunk(text, len(ids), 0, 0, token_ids=list(ids), logprobs=logprobs)
         async for chunk in self.engine.generate(ids, params, "prompt"):
-            yield chunk
+            yield echoed.then(chunk) if echoed else chunk
+            echoed = None
 
     async def chat_whole(self, messages: list[dict], params: SamplingParams) -> Chunk:
         """A request that does not stream: its chunks merged here, so one message crosses to the ingress

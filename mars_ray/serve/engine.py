@@ -68,6 +68,7 @@ class SamplingParams:
     ignore_eos: bool = False  # the model's own stop tokens do not end it (max_tokens does)
     min_tokens: int = 0  # no stop token before this many tokens
     include_stop_str_in_output: bool = False  # a stop string ends the text after itself
+    echo: bool = False  # completions: the reply starts with the prompt (and its log-probabilities)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Logprob:
     """A generated token's text and log-probability, and the likeliest alternatives (see `DecodeConfig`)."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: echo's first prompt token, which nothing predicts
     top: tuple[tuple[str, float], ...] = ()
 
 
@@ -91,7 +92,7 @@ class Chunk:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # decoded since the last chunk
     tau: float = 1.0  # the operating point the request decoded at, as of this chunk
     mode: str = "ar"  # "ar" (one token per forward), "mars" (lossy, tau < 1) or "verify" (lossless)
-    logprobs: list[Logprob] | None = None  # of this chunk's completion tokens, when the request asks
+    logprobs: list[Logprob] | None = None  # of this chunk's completion tokens (and echo's prompt), if asked
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk followed by a later one, as one chunk."""
@@ -369,6 +370,23 @@ class Engine:
         if params.verify is not None:
             return params.verify
         return self._verify and params.temperature == 0
+
+    async def prompt_logprobs(self, prompt: Sequence[int], k: int) -> list[Logprob]:
+        """Each prompt token's log-probability given the tokens before it, and its k likeliest alternatives
+        (for `echo`): one plain forward over the prompt on the decode thread, between two steps. The first
+        token has none."""
+
+        def forward() -> list[TokenLogprob]:
+            with torch.inference_mode():
+                ids = torch.tensor([list(prompt)], device=self.model.device)
+                logits = self.model(input_ids=ids).logits[0, :-1]
+            state = DecodeState(list(prompt), dataclasses.replace(self.decode, logprobs=k))
+            state.record_logprobs(list(prompt[1:]), logits)
+            return state.logprobs
+
+        recorded = await asyncio.get_running_loop().run_in_executor(self._executor, forward)
+        first = Logprob(self.tokenizer.decode([prompt[0]]), None)
+        return [first] + [_named(lp, self.tokenizer) for lp in recorded]
 
     async def warm_up(self) -> None:
         """One short request through the whole path, a MARS window included, before reporting ready."""

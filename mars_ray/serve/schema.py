@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated, 400 on a bad field) and response objects.
 
-Only what the engine honours is accepted with meaning; other OpenAI fields are ignored, except `echo`,
-which is refused. `n` choices are rows of the same batch (the prompt is prefilled per row).
+Only what the engine honours is accepted with meaning; other OpenAI fields are ignored. `n` choices are
+rows of the same batch (the prompt is prefilled per row); `echo` puts the prompt before the completion.
 `logprobs` / `top_logprobs` (chat) and `logprobs: k` (completions) come back in OpenAI's shapes (see
 `DecodeConfig` for what a MARS token's log-probability is). MARS adds `tau`, `block_size` and `verify` (the
 `openai` client sends them through `extra_body`); `usage` adds `forward_passes`, the `tau` and the `mode`
@@ -126,14 +126,7 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(
         None, ge=0, le=5, description="each output token's log-probability and this many alternatives"
     )
-    echo: bool = Field(False, description="not supported: the prompt's log-probabilities are not computed")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    echo: bool = Field(False, description="the reply starts with the prompt (and its log-probabilities)")
 
     @field_validator("prompt")
     @classmethod
@@ -145,7 +138,7 @@ class CompletionRequest(_Request):
         return prompt
 
     def params(self) -> SamplingParams:
-        return self.sampling(self.max_tokens, self.logprobs)
+        return dataclasses.replace(self.sampling(self.max_tokens, self.logprobs), echo=self.echo)
 
 
 class TokenizeRequest(BaseModel):
@@ -301,7 +294,7 @@ class ResponseBuilder:
         return {
             "tokens": [lp.token for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [dict(lp.top) for lp in logprobs],
+            "top_logprobs": [None if lp.logprob is None else dict(lp.top) for lp in logprobs],
             "text_offset": offsets,
         }
 
