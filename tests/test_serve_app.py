@@ -164,6 +164,18 @@ def test_logprobs_through_the_official_client(server, client, tiny):
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
         assert entry.bytes == list(entry.token.encode())
 
+    verified = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, extra_body={"tau": 0.3, "verify": True}
+    )  # lossless: the same tokens and the model's own log-probabilities
+    assert verified.usage.mode == "verify"
+    assert [e.logprob for e in verified.choices[0].logprobs.content] == pytest.approx(
+        [e.logprob for e in content], abs=1e-4
+    )
+    lossy = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, extra_body={"tau": 1e-4}
+    )
+    assert lossy.usage.mode == "mars" and all(e.logprob <= 0 for e in lossy.choices[0].logprobs.content)
+
     streamed = client.chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, stream=True, extra_body={"tau": 1.0}
     )
