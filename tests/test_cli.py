@@ -65,7 +65,7 @@ def test_commands_without_ray_run_where_ray_is_not_installed():
     commands, the distiller and the training step must not need it (scripts/gpu_bench.sh runs there)."""
     blocked = (
         "import sys; sys.modules['ray'] = None\n"  # `import ray` now raises ImportError
-        "import mars_ray.distill, mars_ray.train.steps, mars_ray.evaluate, mars_ray.bench\n"
+        "import mars_ray.distill, mars_ray.train.steps, mars_ray.evaluate, mars_ray.bench.decode\n"
         "from mars_ray.cli import main\n"
         "main(['generate', '--model', 'tiny', '--prompt', 'hi', '--max-new-tokens', '4', '--json'])\n"
     )
@@ -86,7 +86,7 @@ def test_every_command_help_lists_every_config_field_with_its_description():
     `--help` lists each field (as a flag, or as a key for the `key=value` commands) with that description."""
     import argparse
 
-    from mars_ray.bench import BenchConfig, ForwardBenchConfig
+    from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig
     from mars_ray.calibrate import CalibrateConfig
     from mars_ray.cli import build_parser
     from mars_ray.cli_args import flag

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mars_ray import models
-from mars_ray.bench import BenchConfig, ForwardBenchConfig, bench_prompts, run_bench, run_forward_bench
+from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig, bench_prompts, run_bench, run_forward_bench
 from mars_ray.calibrate import CalibrateConfig, calibrate
 from mars_ray.core.decoding import DecodeConfig
 from mars_ray.core.errors import ConfigError

@@ -582,7 +582,7 @@ def test_mars_ray_serve_command(tmp_path):
 
 
 def test_loadtest_table_against_the_app(server, capsys):
-    from mars_ray.serve import loadtest
+    from mars_ray.bench import loadtest
 
     loadtest.main(
         ["--model", "tiny", "--url", server, "--model-name", "tiny", "--requests", "4", "--max-tokens", "8"]

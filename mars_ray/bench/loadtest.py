@@ -1,6 +1,6 @@
 """Served speed at fixed concurrency: MARS at several tau against the AR baseline, same replica, same run.
 
-    python -m mars_ray.serve.loadtest --model PATH [--concurrency 8] [--requests 64] [--taus 1.0 0.9]
+    python -m mars_ray.bench.loadtest --model PATH [--concurrency 8] [--requests 64] [--taus 1.0 0.9]
 
 Starts its own local Ray + Serve app on 127.0.0.1 (or targets `--url`), then for each setting sends
 `--requests` chat requests from the held-out prompts through `--concurrency` streaming clients and reports
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import platform
 import sys
@@ -24,26 +23,7 @@ from dataclasses import dataclass
 import httpx
 
 from mars_ray import data
-
-
-@dataclass
-class RequestRecord:
-    started: float
-    first_token: float | None  # when the first text arrived
-    finished: float
-    completion_tokens: int
-    forward_passes: int | None  # None: a peer that does not report it
-
-    @property
-    def latency(self) -> float:
-        return self.finished - self.started
-
-    @property
-    def inter_token(self) -> float | None:
-        """Mean seconds between tokens after the first: what a reader of the stream waits."""
-        if self.first_token is None or self.completion_tokens < 2:
-            return None
-        return (self.finished - self.first_token) / (self.completion_tokens - 1)
+from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 
 
 @dataclass
@@ -54,26 +34,6 @@ class Setting:
     fields: dict
     url: str | None = None
     model: str | None = None
-
-
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict) -> RequestRecord:
-    """One streamed chat completion, timed from send to `[DONE]`."""
-    started, first, usage = time.perf_counter(), None, None
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
-            usage = event.get("usage") or usage
-    return RequestRecord(
-        started, first, time.perf_counter(), usage["completion_tokens"], usage.get("forward_passes")
-    )
 
 
 async def run_clients(
@@ -96,12 +56,6 @@ async def run_clients(
     return records, time.perf_counter() - started
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
 def summarize(label: str, records: list[RequestRecord], wall: float) -> dict:
     tokens = sum(r.completion_tokens for r in records)
     latencies = [r.latency for r in records]
@@ -120,10 +74,10 @@ def summarize(label: str, records: list[RequestRecord], wall: float) -> dict:
         ),
         "latency_p50_s": percentile(latencies, 0.5),
         "latency_p95_s": percentile(latencies, 0.95),
-        "ttft_p50_s": percentile(ttft, 0.5) if ttft else float("nan"),
-        "ttft_p95_s": percentile(ttft, 0.95) if ttft else float("nan"),
-        "itl_p50_s": percentile(itl, 0.5) if itl else float("nan"),
-        "itl_p95_s": percentile(itl, 0.95) if itl else float("nan"),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p95_s": percentile(ttft, 0.95),
+        "itl_p50_s": percentile(itl, 0.5),
+        "itl_p95_s": percentile(itl, 0.95),
     }
 
 
@@ -145,22 +99,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def heldout_chats(source: str, count: int) -> list[list[dict]]:
-    """Prompts the model was not trained on: held-out chats without their last (assistant) turn."""
-    rows = (
-        data.verifiable_tasks("heldout", count=count)
-        if source == "tasks"
-        else data.chatterbot_dialogs("heldout")
-    )
-    return [row["messages"][:-1] for row in rows[:count]]
-
-
 def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict:
     """transformers `generate`, greedy, left-padded static batches of `--concurrency`: the offline peer."""
     import torch
 
     from mars_ray import models
-    from mars_ray.bench import hf_greedy_tokens
+    from mars_ray.bench.baseline import hf_greedy_tokens
     from mars_ray.core.decoding import DecodeConfig
 
     torch.set_num_threads(args.torch_threads)
@@ -238,7 +182,7 @@ def start_server(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m mars_ray.serve.loadtest", description=__doc__.split("\n")[0]
+        prog="python -m mars_ray.bench.loadtest", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset, to validate)")
     parser.add_argument("--url", help="an app already serving --model-name (default: start one here)")

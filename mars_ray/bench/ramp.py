@@ -1,6 +1,6 @@
 """The load-adaptive tau, proven under a ramp: fixed tau=1.0, fixed tau=tau_min, and the controller.
 
-    python -m mars_ray.serve.ramp --model PATH [--levels 1 4 8 16 16 8 2] [--stage-s 15] [--out DIR]
+    python -m mars_ray.bench.ramp --model PATH [--levels 1 4 8 16 16 8 2] [--stage-s 15] [--out DIR]
 
 For each mode, a local Serve app with one replica of `--model` on 127.0.0.1 takes the same bounded ramp of
 closed-loop streaming clients (`--levels`, `--stage-s` seconds each), then `--tail-s` idle seconds (the
@@ -23,22 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from mars_ray.serve.loadtest import heldout_chats, percentile
-
-
-@dataclass
-class Record:
-    started: float
-    first: float | None
-    finished: float
-    tokens: int
-
-    @property
-    def per_token(self) -> float | None:
-        """Seconds per token after the first: what a reader of the stream waits between tokens."""
-        if self.first is None or self.tokens < 2:
-            return None
-        return (self.finished - self.first) / (self.tokens - 1)
+from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 
 
 @dataclass
@@ -51,26 +36,11 @@ class Sample:
     verified: float = 0.0  # the share of replicas at the verified (lossless) operating point
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> Record:
-    started, first, tokens = time.perf_counter(), None, 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[len("data: ") :])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            elif event["choices"] and event["choices"][0]["delta"].get("content") and first is None:
-                first = time.perf_counter()
-    return Record(started, first, time.perf_counter(), tokens)
-
-
 async def ramp(
     url: str, chats: list[list[dict]], args: argparse.Namespace
-) -> tuple[list[Record], list[Sample]]:
+) -> tuple[list[RequestRecord], list[Sample]]:
     """Drive the ramp: client i is active while the stage's level exceeds i; sample status meanwhile."""
-    records: list[Record] = []
+    records: list[RequestRecord] = []
     samples: list[Sample] = []
     level = 0
     stop = asyncio.Event()
@@ -85,14 +55,8 @@ async def ramp(
                     continue
                 messages = chats[turn % len(chats)]
                 turn += max(args.levels)
-                body = {
-                    "model": "bench",
-                    "messages": messages,
-                    "max_tokens": args.max_tokens,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                }
-                records.append(await stream_one(client, url, body))
+                body = {"model": "bench", "messages": messages, "max_tokens": args.max_tokens}
+                records.append(await stream_chat(client, url, body))
 
         async def watch() -> None:
             while not stop.is_set():
@@ -128,13 +92,15 @@ def time_weighted_mean(points: list[tuple[float, float]]) -> float:
     return area / (points[-1][0] - points[0][0])
 
 
-def summarize(mode: str, records: list[Record], samples: list[Sample], start: float, args) -> dict:
+def summarize(
+    mode: str, records: list[RequestRecord], samples: list[Sample], start: float, args: argparse.Namespace
+) -> dict:
     loaded_until = start + args.stage_s * len(args.levels)
     loaded = [r for r in records if r.finished <= loaded_until + 30]
     peak_from = start + args.stage_s * args.levels.index(max(args.levels))
     peak = [r for r in loaded if r.started >= peak_from and r.started < peak_from + args.stage_s * 2]
-    per_token = [p for r in peak if (p := r.per_token) is not None]
-    latencies = [r.finished - r.started for r in peak]
+    per_token = [p for r in peak if (p := r.inter_token) is not None]
+    latencies = [r.latency for r in peak]
     span = max(r.finished for r in loaded) - start if loaded else 1.0
     weighted = time_weighted_mean(
         [(s.at, s.tau) for s in samples if s.tau is not None and s.at <= loaded_until]
@@ -144,11 +110,11 @@ def summarize(mode: str, records: list[Record], samples: list[Sample], start: fl
     return {
         "mode": mode,
         "requests": len(loaded),
-        "tokens_per_s": sum(r.tokens for r in loaded) / span,
-        "peak_latency_p50_s": percentile(latencies, 0.5) if latencies else float("nan"),
-        "peak_latency_p95_s": percentile(latencies, 0.95) if latencies else float("nan"),
-        "peak_per_token_p50_s": percentile(per_token, 0.5) if per_token else float("nan"),
-        "peak_per_token_p95_s": percentile(per_token, 0.95) if per_token else float("nan"),
+        "tokens_per_s": sum(r.completion_tokens for r in loaded) / span,
+        "peak_latency_p50_s": percentile(latencies, 0.5),
+        "peak_latency_p95_s": percentile(latencies, 0.95),
+        "peak_per_token_p50_s": percentile(per_token, 0.5),
+        "peak_per_token_p95_s": percentile(per_token, 0.95),
         "mean_tau": weighted,
         "verified_share": verified,
         "final_tau": final[-1] if final else float("nan"),
@@ -174,7 +140,9 @@ def table(rows: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, tuple[list[Record], list[Sample], float]], target: float, path: Path, bin_s: float):
+def plot(
+    runs: dict[str, tuple[list[RequestRecord], list[Sample], float]], target: float, path: Path, bin_s: float
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,9 +153,9 @@ def plot(runs: dict[str, tuple[list[Record], list[Sample], float]], target: floa
         end = max(s.at for s in samples) - start
         edges = [i * bin_s for i in range(int(end / bin_s) + 1)]
         done = [[r for r in records if e <= r.finished - start < e + bin_s] for e in edges]
-        axes[0].plot(edges, [sum(r.tokens for r in d) / bin_s for d in done], label=mode)
-        p95 = [percentile(v, 0.95) if (v := [p for r in d if (p := r.per_token)]) else None for d in done]
-        axes[1].plot(edges, [float("nan") if p is None else p for p in p95], label=mode)
+        axes[0].plot(edges, [sum(r.completion_tokens for r in d) / bin_s for d in done], label=mode)
+        p95 = [percentile([p for r in d if (p := r.inter_token) is not None], 0.95) for d in done]
+        axes[1].plot(edges, p95, label=mode)
         axes[2].step(
             [s.at - start for s in samples],
             [s.tau if s.tau else float("nan") for s in samples],
@@ -213,6 +181,16 @@ def plot(runs: dict[str, tuple[list[Record], list[Sample], float]], target: floa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _record_json(record: RequestRecord) -> dict:
+    """A request as `ramp.json` has always written it (the keys its readers know)."""
+    return {
+        "started": record.started,
+        "first": record.first_token,
+        "finished": record.finished,
+        "tokens": record.completion_tokens,
+    }
 
 
 def serve_mode(mode: str, args: argparse.Namespace) -> str:
@@ -250,7 +228,7 @@ def serve_mode(mode: str, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mars_ray.serve.ramp", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mars_ray.bench.ramp", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset)")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 16, 8, 2])
     parser.add_argument("--stage-s", type=float, default=15.0)
@@ -301,7 +279,11 @@ def main(argv: list[str] | None = None) -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "rows": rows,
         "runs": {
-            mode: {"records": [asdict(r) for r in rec], "samples": [asdict(s) for s in sam], "start": st}
+            mode: {
+                "records": [_record_json(r) for r in rec],
+                "samples": [asdict(s) for s in sam],
+                "start": st,
+            }
             for mode, (rec, sam, st) in runs.items()
         },
     }

@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from mars_ray import cli_args, models
+from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
@@ -210,33 +211,6 @@ def _proc_status_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _until_stop(row: list[int], stops: Sequence[int], pad_id: int) -> list[int]:
-    for i, token in enumerate(row):
-        if token in stops:
-            return row[: i + 1]
-    return [t for t in row if t != pad_id] if pad_id in stops else row
-
-
-def hf_greedy_tokens(
-    model, prompts: list[list[int]], max_new_tokens: int, stops: Sequence[int], pad_id: int, **extra
-) -> list[list[int]]:
-    """transformers `generate`, greedy with its KV cache, over the prompts left-padded into one batch: the
-    AR baseline. Returns each row's generated tokens up to and including its first stop token."""
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts], device=model.device)
-    attention = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=attention,
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(stops),
-        pad_token_id=pad_id,
-        **extra,
-    )
-    return [_until_stop(row, stops, pad_id) for row in out[:, longest:].tolist()]
 
 
 def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int]]:
