@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,7 @@ import yaml
 from mars_ray.data import chat_prompt_ids
 from mars_ray.evaluate import EvalConfig, ModelUnderTest, curve_point, heldout_sets
 from mars_ray.train.config import TrainConfig
+from mars_ray.train.steps import IncompleteCheckpoint, verify_checkpoint
 
 
 def checkpoints(run: Path, stage: str) -> list[tuple[int, Path]]:
@@ -26,8 +28,14 @@ def checkpoints(run: Path, stage: str) -> list[tuple[int, Path]]:
     found = []
     for folder in (run / stage).glob("checkpoint_*"):
         match = re.fullmatch(r"checkpoint_(\d+)", folder.name)
-        if match and (folder / "config.json").exists():
-            found.append((int(match.group(1)), folder))
+        if not match:
+            continue
+        try:
+            verify_checkpoint(folder)
+        except IncompleteCheckpoint as error:
+            print(f"skipped: {error}", file=sys.stderr)
+            continue
+        found.append((int(match.group(1)), folder))
     return sorted(found)
 
 

@@ -29,6 +29,7 @@ from mars_ray.train.steps import (
     accumulate_gradients,
     save_checkpoint,
     sum_over_workers,
+    verify_checkpoint,
     worker_micro_batches,
 )
 
@@ -53,6 +54,8 @@ def train_worker(loop_config: dict) -> None:
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else nullcontext(loop_config["source"]) as source:
         model, tokenizer = models.load(str(source), dtype=torch.float32)
+        if checkpoint:
+            verify_checkpoint(Path(source))  # Ray registers a checkpoint once copied; this proves it whole
         state = torch.load(Path(source) / TRAINER_STATE, map_location="cpu") if checkpoint else None
     if stage == "mars":
         model.config.mars_block_size = config.block_size  # decoders default their window to it

@@ -31,7 +31,7 @@ from mars_ray import data, models
 from mars_ray.core.objective import Example
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.loop import train_worker
-from mars_ray.train.steps import TRAINER_STATE
+from mars_ray.train.steps import MANIFEST, TRAINER_STATE, verify_checkpoint
 
 RESUMABLE_CHANGES = {"max_failures", "checkpoint_every", "keep_checkpoints"}  # safe to change on a rerun
 # Ray Train's controller collects reports when it polls the workers (every 2 s by default), and a worker's
@@ -103,10 +103,13 @@ class ProgressLog(ray.train.UserCallback):
 
 
 def _export_final(checkpoint: ray.train.Checkpoint, final: Path) -> None:
-    """Copy the last checkpoint, minus the trainer state, to `final/` atomically: a plain HF folder."""
+    """Copy the last checkpoint, minus the trainer state and manifest, to `final/` atomically: a plain HF
+    folder."""
     staging = Path(tempfile.mkdtemp(prefix=".final-", dir=final.parent))
     checkpoint.to_directory(str(staging))
+    verify_checkpoint(staging)
     (staging / TRAINER_STATE).unlink()
+    (staging / MANIFEST).unlink()
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
 

@@ -9,6 +9,9 @@ gradient of the joined batch's loss, with any number of workers and micro-steps.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,6 +26,18 @@ from mars_ray.core.objective import IGNORE, Example, ar_loss, collate_ar, collat
 from mars_ray.train.config import Stage
 
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler and step: the part of a checkpoint HF does not load
+MANIFEST = "checkpoint.json"  # written last: the step, and the size and SHA-256 of every other file
+
+
+class IncompleteCheckpoint(ValueError):
+    """A checkpoint folder a crash left behind (or one altered since): `path` names the file at fault."""
+
+    def __init__(self, folder: Path, path: str, problem: str) -> None:
+        super().__init__(folder, path, problem)
+        self.folder, self.path, self.problem = folder, path, problem
+
+    def __str__(self) -> str:
+        return f"incomplete checkpoint {self.folder}: {self.path} {self.problem}"
 
 
 @dataclass(frozen=True)
@@ -155,8 +170,38 @@ def sum_over_workers(values: dict[str, float], device: torch.device) -> dict[str
 
 
 def save_checkpoint(folder: Path, model: PreTrainedModel, tokenizer, optimizer, scheduler, step: int) -> None:
-    """A `save_pretrained` folder (safetensors, tokenizer with its mask token) plus the trainer state."""
+    """A `save_pretrained` folder (safetensors, tokenizer with its mask token), the trainer state, and last
+    the manifest that makes it a checkpoint: a crash at any point before it, or while Ray Train copies the
+    folder to storage in any order, leaves a folder that `verify_checkpoint` refuses."""
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
     torch.save(state, folder / TRAINER_STATE)
+    files = {path.name: _fingerprint(path) for path in sorted(folder.iterdir()) if path.is_file()}
+    staged = folder / f".{MANIFEST}.tmp"
+    staged.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    os.replace(staged, folder / MANIFEST)  # atomic: the manifest is whole or absent
+
+
+def verify_checkpoint(folder: Path) -> int:
+    """The step of a whole checkpoint; `IncompleteCheckpoint` when a file is missing, short or altered."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise IncompleteCheckpoint(folder, MANIFEST, "is missing (the save did not finish)") from None
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise IncompleteCheckpoint(folder, name, "is missing")
+        if _fingerprint(path) != expected:
+            raise IncompleteCheckpoint(folder, name, "differs from the manifest (cut short or altered)")
+    return manifest["step"]
+
+
+def _fingerprint(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
