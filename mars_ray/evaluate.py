@@ -105,22 +105,23 @@ class EvalReport(BaseModel):
     scores: list[Score] = []
 
     def table(self) -> str:
-        """Markdown, one row per (model, confidence, tau); `= base`: agreement with the base model."""
+        """Markdown, one row per (model, mode, confidence, tau); `= base`: agreement with the base model."""
         sources = [s for s in ("tasks", "chatterbot") if any(c.source == s for c in self.scores)]
         head = ["model", "mode", "confidence", "tau"]
         for source in sources:
             head += [f"{source} tok/fwd"] + (["acc %"] if source == "tasks" else [])
             head += ["= own tau 1 % (sim)", "= base % (sim)"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        rows = dict.fromkeys((s.model, s.confidence, s.tau) for s in self.scores)
-        for model, confidence, tau in rows:
-            cells = [model, confidence, f"{tau:g}"]
+        rows = dict.fromkeys((s.model, s.mode, s.confidence, s.tau) for s in self.scores)
+        for row in rows:
+            model, mode, confidence, tau = row
+            cells = [model, mode, confidence, f"{tau:g}"]
             for source in sources:
                 score = next(
                     (
                         s
                         for s in self.scores
-                        if (s.model, s.confidence, s.tau, s.source) == (model, confidence, tau, source)
+                        if (s.model, s.mode, s.confidence, s.tau, s.source) == (*row, source)
                     ),
                     None,
                 )
@@ -130,14 +131,19 @@ class EvalReport(BaseModel):
                 cells.append(f"{score.tokens_per_forward:.2f}")
                 if source == "tasks":
                     cells.append(_percent(score.accuracy))
-                cells.append(f"{_percent(score.self_exact)} ({_percent(score.self_similarity)})")
-                cells.append(f"{_percent(score.base_exact)} ({_percent(score.base_similarity)})")
+                cells.append(_agreement(score.self_exact, score.self_similarity))
+                cells.append(_agreement(score.base_exact, score.base_similarity))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
 
 def _percent(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.1f}"
+
+
+def _agreement(exact: float | None, similarity: float | None) -> str:
+    """`exact (similarity)` in percent; blank where not measured (no baseline given)."""
+    return "" if exact is None else f"{_percent(exact)} ({_percent(similarity)})"
 
 
 def similarity(a: str, b: str) -> float:

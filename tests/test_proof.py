@@ -11,7 +11,7 @@ from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig, bench_prompts
 from mars_ray.calibrate import CalibrateConfig, calibrate
 from mars_ray.core.decoding import DecodeConfig
 from mars_ray.core.errors import ConfigError
-from mars_ray.evaluate import EvalConfig, evaluate
+from mars_ray.evaluate import EvalConfig, EvalReport, Score, evaluate
 
 
 def test_eval_sweep_writes_json_and_plot(tmp_path):
@@ -38,7 +38,7 @@ def test_eval_sweep_writes_json_and_plot(tmp_path):
     assert cells["mars", "tasks", 0.5].acceptance[0] == 1.0  # every forward accepts slot 0
     assert cells["base", "tasks", 1.0].accuracy == cells["mars", "tasks", 1.0].accuracy
     assert (tmp_path / "pareto.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| mars | raw | 0.5 |" in report.table()
+    assert "| mars | lossy | raw | 0.5 |" in report.table()
 
 
 def test_eval_rejects_bad_taus():
@@ -153,3 +153,24 @@ def test_calibrate_refuses_a_model_without_a_trained_block_size(tmp_path):
     with pytest.raises(ConfigError) as error:
         calibrate(CalibrateConfig(model="tiny", write=False))
     assert error.value.field == "model"
+
+
+def test_eval_table_keeps_modes_apart_and_leaves_unmeasured_cells_blank():
+    config = EvalConfig(model="tiny", taus=(0.5,), modes=("lossy", "verify"))
+    scores = [
+        Score(
+            model="mars",
+            source="tasks",
+            confidence="raw",
+            tau=0.5,
+            prompts=4,
+            mode=mode,
+            tokens_per_forward=tpf,
+            acceptance=[1.0],
+            accuracy=acc,
+        )
+        for mode, tpf, acc in (("lossy", 3.0, 0.5), ("verify", 2.0, 0.75))
+    ]
+    lines = EvalReport(config=config, scores=scores).table().splitlines()
+    assert lines[2] == "| mars | lossy | raw | 0.5 | 3.00 | 50.0 | 100.0 (100.0) |  |"
+    assert lines[3] == "| mars | verify | raw | 0.5 | 2.00 | 75.0 | 100.0 (100.0) |  |"
