@@ -27,7 +27,9 @@ def free_port(start: int) -> int:
 
 
 def app_args(**model) -> dict:
-    return {"models": [{"model": "tiny", "num_cpus": 0.5, "graceful_shutdown_timeout_s": 60, **model}]}
+    # A drain time far above what the streams need: on a loaded 2-core machine six 1,000-token streams took
+    # over 60 s, and the drain ends as soon as they do.
+    return {"models": [{"model": "tiny", "num_cpus": 0.5, "graceful_shutdown_timeout_s": 240, **model}]}
 
 
 @pytest.fixture(scope="module")
