@@ -24,6 +24,7 @@ import httpx
 
 from mars_ray import data
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
+from mars_ray.bench.cluster import start_local_ray
 
 
 @dataclass
@@ -158,12 +159,11 @@ def measure(url: str, name: str, settings: list[Setting], chats: list[list[dict]
 def start_server(args: argparse.Namespace) -> str:
     """A local Ray of its own and one engine replica of `--model` on 127.0.0.1."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
     from ray import serve
 
     from mars_ray.serve.app import build_app
 
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    start_local_ray(args.num_cpus)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     model = {
         "model": args.model,

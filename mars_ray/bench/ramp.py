@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
+from mars_ray.bench.cluster import start_local_ray
 
 
 @dataclass
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     chats = heldout_chats(args.source, 200)
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    start_local_ray(args.num_cpus)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     runs, rows = {}, []
     try:
