@@ -91,13 +91,13 @@ def logged(metrics: Path) -> list[dict]:
 def worker_nodes(env: dict) -> set[str]:
     """The nodes of the live Ray Train workers, from the state API of the cluster."""
     query = (
-        "from ray.util.state import list_actors\n"
-        "print(sorted({a.node_id for a in list_actors(filters=[('class_name', '=', 'RayTrainWorker'),"
-        " ('state', '=', 'ALIVE')])}))"
+        "import json; from ray.util.state import list_actors\n"
+        "alive = list_actors(filters=[('class_name', '=', 'RayTrainWorker'), ('state', '=', 'ALIVE')])\n"
+        "print(json.dumps(sorted({actor.node_id for actor in alive})))"
     )
     env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{DASHBOARD_PORT}"}
     out = subprocess.run([sys.executable, "-c", query], env=env, capture_output=True, text=True, timeout=60)
-    return set(json.loads(out.stdout.strip().replace("'", '"') or "[]"))
+    return set(json.loads(out.stdout))
 
 
 def test_a_lost_worker_node_resumes_from_the_last_checkpoint(two_nodes, tmp_path):
