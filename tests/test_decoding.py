@@ -478,3 +478,31 @@ def test_mask_slots_never_propose_the_mask_or_padded_rows():
     tokens, _, _ = propose(logits, seqs, first_slot=[0, 1], mask_id=MASK_ID)
     assert tokens[0] == [MASK_ID, 11, 11, 11]
     assert tokens[1] == [MASK_ID, MASK_ID, VOCAB - 3, VOCAB - 3]  # no limit: only the mask is banned
+
+
+def test_tau_one_at_batch_one_is_generate_bit_for_bit_in_bf16():
+    """Without holes the decoder lets the model build its causal mask, so at batch 1 it runs the kernels
+    HF `generate` runs: in bf16, where a masked and an unmasked attention kernel round differently, the
+    tokens and every log-probability are equal exactly, not within a tolerance."""
+    model = build_tiny(
+        "llama", sharpness=1.0, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512
+    )  # wide enough that the two kernels round differently on some of these rows
+    config = DecodeConfig(tau=1.0, block_size=4, max_new_tokens=24, logprobs=1)
+    for prompt in random_prompts(6, low=20, high=60, seed=41):
+        (result,) = decode_cached(model, [prompt], MASK_ID, config, PAD_ID)
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=-1,
+            pad_token_id=PAD_ID,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [
+            torch.log_softmax(step[0].float(), dim=-1)[token].item()
+            for step, token in zip(out.logits, tokens, strict=True)
+        ]
+        assert result.tokens == tokens
+        assert [lp.logprob for lp in result.logprobs] == logprobs

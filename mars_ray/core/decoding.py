@@ -411,9 +411,33 @@ class RaggedCache:
         `real` marks the columns that exist (False = hole). Real columns see every valid cached key and the
         real columns before them; a hole sees only itself, so no softmax row is empty.
         """
-        rows, width = input_ids.shape
-        cached = self.valid.shape[1]
         positions = (self.next_position[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=self._mask(real),
+            cache=self.kv,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        if keep < input_ids.shape[1]:
+            self.kv.crop(keep - input_ids.shape[1])
+        kept = real[:, :keep]
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.next_position = self.next_position + kept.sum(dim=1)
+        return out.logits
+
+    def _mask(self, real: torch.Tensor) -> torch.Tensor | None:
+        """The 4D mask for a forward of `real`'s columns, or None where there is no hole anywhere.
+
+        Without holes the mask is plain causal; left to the model, it is built the way HF `generate` builds
+        it (at batch 1: none, and SDPA's own causal kernel), so a hole-free forward takes the same kernels
+        as `generate` and tau = 1 equals it bit for bit in bf16 as well, and runs faster.
+        """
+        if bool(real.all()) and bool(self.valid.all()):
+            return None
+        rows, width = real.shape
+        cached = self.valid.shape[1]
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         own = causal[None] & real[:, None, :]
         own |= torch.eye(width, dtype=torch.bool, device=self.device)[None]
@@ -422,20 +446,7 @@ class RaggedCache:
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=self.device).masked_fill(
                 ~mask, torch.finfo(self.model.dtype).min
             )
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=self.kv,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
-        if keep < width:
-            self.kv.crop(keep - width)
-        kept = real[:, :keep]
-        self.valid = torch.cat([self.valid, kept], dim=1)
-        self.next_position = self.next_position + kept.sum(dim=1)
-        return out.logits
+        return mask
 
     def forget_last(self, counts: Sequence[int]) -> None:
         """Turn each row's last `counts[r]` cached keys into holes (rejected proposals): never attended
