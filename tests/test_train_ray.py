@@ -235,3 +235,47 @@ def test_ddp_step_equals_one_process_on_the_joined_batch(local_ray, tmp_path):
         assert ddp["losses"]["total"] == pytest.approx(loss.item(), rel=1e-5)
         for name, parameter in model.named_parameters():
             torch.testing.assert_close(ddp["grads"][name], parameter.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_run_resumes_from_adapter_checkpoints_and_exports_merged_and_unmerged(local_ray, tmp_path):
+    """A LoRA MARS run whose worker dies after a checkpoint resumes from the adapter it saved; final/ is a
+    plain transformers folder, final-adapter/ the same model as a peft adapter on the untouched base."""
+    config = small_config(
+        tmp_path, "lora", stages=["mars"], steps=9, max_failures=1, lora={"r": 4, "alpha": 8}
+    )
+    killer = kill_a_worker_after_each_new_checkpoint(config, "mars", kills=1)
+    finals = run_training(config)
+    killer.join(timeout=5)
+    groups = attempts(logged_steps(config, "mars"))
+    assert len(groups) == 2 and groups[1][0]["resumed_from"] == 3 and groups[1][-1]["step"] == 9
+
+    final, adapter = finals["mars"], finals["mars"].with_name("final-adapter")
+    assert (adapter / "adapter_config.json").exists() and not (adapter / "trainer_state.pt").exists()
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float64).eval()  # no peft
+    assert merged.config.mars_block_size == 4
+    assert not any("lora" in name for name in merged.state_dict())
+    base, tokenizer = models.load("tiny", dtype=torch.float64)
+    moved = [n for n, p in base.state_dict().items() if not torch.equal(p, merged.state_dict()[n])]
+    assert "model.embed_tokens.weight" in moved and any("q_proj" in n for n in moved)
+    assert not any("norm" in n for n in moved)  # only adapted layers and the mask row
+
+    from peft import PeftModel
+
+    unmerged = PeftModel.from_pretrained(base, adapter).eval()
+    prompts = [
+        data.chat_prompt_ids(tokenizer, r["messages"][:-1]) for r in data.verifiable_tasks("heldout", 4)
+    ]
+    config = DecodeConfig(tau=1.0, max_new_tokens=16, stop_token_ids=(tokenizer.eos_token_id,))
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            torch.testing.assert_close(unmerged(ids).logits, merged(ids).logits)
+            greedy = merged.generate(
+                ids,
+                do_sample=False,
+                max_new_tokens=16,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )[0, len(prompt) :].tolist()
+        (result,) = decode_cached(merged, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)
+        assert result.tokens == greedy

@@ -20,6 +20,21 @@ from mars_ray import models
 Stage = Literal["ar-sft", "mars"]
 
 
+class LoraSettings(BaseModel):
+    """`lora:` in a training config; the names are peft's (`alpha` is `lora_alpha`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    r: int = Field(default=16, ge=1, description="adapter rank")
+    alpha: float = Field(default=32.0, gt=0, description="scale numerator: updates are scaled by alpha / r")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names (last part) of the linear layers that get adapters",
+    )
+
+
 class TrainConfig(BaseModel):
     """The two-stage MARS recipe (AR SFT, then MARS from its result) with one set of hyperparameters.
 
@@ -80,6 +95,12 @@ class TrainConfig(BaseModel):
     checkpoint_every: int = Field(default=100, ge=1, description="steps between checkpoints (and at the end)")
     keep_checkpoints: int = Field(default=2, ge=1, description="checkpoints kept per stage (the newest)")
     max_failures: int = Field(default=3, ge=0, description="worker-group restarts from the last checkpoint")
+    # parameter-efficient training
+    lora: LoraSettings | None = Field(
+        default=None,
+        description="train LoRA adapters and the mask token's embedding row instead of every weight"
+        " (`lora={r: 16}`, or `lora.r=16`); final/ is merged, final-adapter/ is not",
+    )
 
     @field_validator("datasets", "stages", mode="before")
     @classmethod
@@ -145,5 +166,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not key=value")
-        values[key.strip()] = yaml.safe_load(value)
+        *parents, leaf = key.strip().split(".")  # `lora.r=8` sets one key of a nested mapping
+        target = values
+        for part in parents:
+            if not isinstance(target.get(part), dict):
+                target[part] = {}
+            target = target[part]
+        target[leaf] = yaml.safe_load(value)
     return TrainConfig(**values)

@@ -21,6 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from mars_ray import models
 from mars_ray.core.objective import Example, ScoredLM
+from mars_ray.train import lora
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.steps import (
     TRAINER_STATE,
@@ -52,17 +53,17 @@ def train_worker(loop_config: dict) -> None:
     torch.manual_seed(config.seed)
 
     checkpoint = ray.train.get_checkpoint()
-    with checkpoint.as_directory() if checkpoint else nullcontext(loop_config["source"]) as source:
-        model, tokenizer = models.load(str(source), dtype=torch.float32)
-        if checkpoint:
-            verify_checkpoint(Path(source))  # Ray registers a checkpoint once copied; this proves it whole
-        state = torch.load(Path(source) / TRAINER_STATE, map_location="cpu") if checkpoint else None
+    with checkpoint.as_directory() if checkpoint else nullcontext() as saved:
+        if saved:
+            verify_checkpoint(Path(saved))  # Ray registers a checkpoint once copied; this proves it whole
+        trained, tokenizer, lm = _load_model(config, loop_config["source"], saved and Path(saved))
+        state = torch.load(Path(saved) / TRAINER_STATE, map_location="cpu") if saved else None
     if stage == "mars":
-        model.config.mars_block_size = config.block_size  # decoders default their window to it
-    model.train()
-    unwrapped = model
-    model = ray.train.torch.prepare_model(ScoredLM(model))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        lm.config.mars_block_size = config.block_size  # decoders default their window to it
+    trained.train()
+    model = ray.train.torch.prepare_model(ScoredLM(lm))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, round(config.warmup_ratio * total_steps), total_steps
     )
@@ -103,7 +104,7 @@ def train_worker(loop_config: dict) -> None:
             device,
             config.autocast_dtype(device.type),
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -127,6 +128,21 @@ def train_worker(loop_config: dict) -> None:
         with tempfile.TemporaryDirectory() as folder:
             saved = None
             if rank == 0:
-                save_checkpoint(Path(folder), unwrapped, tokenizer, optimizer, scheduler, step)
+                save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step)
                 saved = ray.train.Checkpoint.from_directory(folder)
             ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=f"checkpoint_{step:06d}")
+
+
+def _load_model(config: TrainConfig, source: str, saved: Path | None):
+    """What a worker trains: (the model it saves, its tokenizer, the causal LM the loss calls).
+
+    Without LoRA all three come from the checkpoint `saved`, or from `source` when there is none; with
+    LoRA the base always comes from `source` and the adapters from `saved` (or fresh). The LM the loss
+    calls is then the base with the adapters injected, and what is saved is the adapters.
+    """
+    if config.lora is None:
+        model, tokenizer = models.load(str(saved or source), dtype=torch.float32)
+        return model, tokenizer, model
+    model, tokenizer = models.load(source, dtype=torch.float32)
+    adapted = lora.with_adapters(model, config.lora, saved)
+    return adapted, tokenizer, adapted.get_base_model()

@@ -6,6 +6,7 @@ A run lives in `output_dir/name/`:
     data_report.json   rows kept, truncated and skipped (by reason) for each source
     ar-sft/            Ray Train's run folder: checkpoint_000100/ ..., metrics.jsonl, and
       final/           the stage's result, a plain `save_pretrained` folder (stage 2 starts from it)
+      final-adapter/   with LoRA: the adapter of final/, unmerged (final/ is it merged into the base)
     mars/
       final/
 
@@ -19,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -29,6 +31,7 @@ from transformers import AutoTokenizer
 
 from mars_ray import data, models
 from mars_ray.core.objective import Example
+from mars_ray.train import lora
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.loop import train_worker
 from mars_ray.train.steps import MANIFEST, TRAINER_STATE, verify_checkpoint
@@ -102,16 +105,20 @@ class ProgressLog(ray.train.UserCallback):
         )
 
 
-def _export_final(checkpoint: ray.train.Checkpoint, final: Path) -> None:
-    """Copy the last checkpoint, minus the trainer state and manifest, to `final/` atomically: a plain HF
-    folder."""
+def _publish(final: Path, fill: Callable[[Path], None]) -> None:
+    """Fill a staging folder beside `final`, then swap it in: `final` is whole or absent."""
     staging = Path(tempfile.mkdtemp(prefix=".final-", dir=final.parent))
-    checkpoint.to_directory(str(staging))
-    verify_checkpoint(staging)
-    (staging / TRAINER_STATE).unlink()
-    (staging / MANIFEST).unlink()
+    fill(staging)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
+
+
+def _checkpoint_files(checkpoint: ray.train.Checkpoint, folder: Path) -> None:
+    """The checkpoint's files, verified, minus the trainer state and manifest: what a user loads."""
+    checkpoint.to_directory(str(folder))
+    verify_checkpoint(folder)
+    (folder / TRAINER_STATE).unlink()
+    (folder / MANIFEST).unlink()
 
 
 def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, total_steps: int) -> Path:
@@ -144,7 +151,13 @@ def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, tota
     )
     result = trainer.fit()
     final = stage_dir / "final"
-    _export_final(result.checkpoint, final)
+    if config.lora is None:
+        _publish(final, lambda folder: _checkpoint_files(result.checkpoint, folder))
+        return final
+    adapter = final.with_name(final.name + lora.ADAPTER_SUFFIX)
+    _publish(adapter, lambda folder: _checkpoint_files(result.checkpoint, folder))
+    block_size = config.block_size if stage == "mars" else None
+    _publish(final, lambda folder: lora.export(adapter, source, folder, block_size))
     return final
 
 
@@ -155,6 +168,8 @@ def run_training(config: TrainConfig) -> dict[Stage, Path]:
     """
     source = models.resolve(config.model)
     tokenizer = AutoTokenizer.from_pretrained(source)
+    if config.lora is not None:
+        lora.check_targets(source, config.lora)
     examples, reports = prepare_data(config, tokenizer)
     _check_rerun(config)
     (config.run_dir / "data_report.json").write_text(json.dumps([r.to_dict() for r in reports], indent=2))
