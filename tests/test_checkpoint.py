@@ -24,6 +24,7 @@ from mars_ray.train.steps import (
     IncompleteCheckpoint,
     save_checkpoint,
     verify_checkpoint,
+    write_manifest,
 )
 
 
@@ -129,3 +130,31 @@ def test_a_process_killed_while_saving_leaves_no_wrong_checkpoint(tmp_path):
             assert weights and all(bool((tensor == step).all()) for tensor in weights.values())
             assert torch.load(folder / TRAINER_STATE, map_location="cpu")["step"] == step
     assert accepted > 0  # the kills came after some saves finished
+
+
+def test_a_sharded_checkpoint_needs_every_ranks_manifest(tmp_path):
+    """Each rank lists its own files; rank 0's manifest says how many ranks there were. A rank whose upload
+    never arrived, or arrived from another step, makes the merged folder incomplete."""
+    merged = tmp_path / "merged"
+    for rank in range(3):
+        own = tmp_path / f"rank{rank}"
+        (own / "shards").mkdir(parents=True)
+        (own / "shards" / f"__{rank}_0.distcp").write_bytes(os.urandom(64))
+        write_manifest(own, 5, rank, world_size=3)
+        shutil.copytree(own, merged, dirs_exist_ok=True)  # what Ray Train does with every rank's folder
+    assert verify_checkpoint(merged) == 5
+    stale = tmp_path / "stale"
+    shutil.copytree(merged, stale)
+    write_manifest(tmp_path / "rank2", 4, 2, world_size=3)
+    shutil.copy(tmp_path / "rank2" / "checkpoint.rank2.json", stale)
+    with pytest.raises(IncompleteCheckpoint, match="checkpoint.rank2.json is of step 4"):
+        verify_checkpoint(stale)
+    (merged / "checkpoint.rank1.json").unlink()
+    with pytest.raises(IncompleteCheckpoint) as error:
+        verify_checkpoint(merged)
+    assert error.value.path == "checkpoint.rank1.json"
+    (merged / "shards" / "__2_0.distcp").write_bytes(b"cut")
+    write_manifest(tmp_path / "rank1", 5, 1, world_size=3)
+    shutil.copy(tmp_path / "rank1" / "checkpoint.rank1.json", merged)
+    with pytest.raises(IncompleteCheckpoint, match="shards/__2_0.distcp differs"):
+        verify_checkpoint(merged)

@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from mars_ray.train.config import TrainConfig, load_config
-from mars_ray.train.run import run_training
+from mars_ray.train.run import check_rerun, run_training
 
 
 def test_yaml_and_overrides(tmp_path):
@@ -38,6 +38,10 @@ def test_yaml_and_overrides(tmp_path):
         ({"model": "tiny", "lr": -1}, "lr"),
         ({"model": "tiny", "bacth_size": 8}, "bacth_size"),
         ({"model": "tiny", "datasets": []}, "datasets"),
+        ({"model": "tiny", "strategy": "zero3"}, "strategy"),
+        ({"model": "tiny", "lora": {"r": 0}}, "lora"),
+        ({"model": "tiny", "lora": {"rank": 8}}, "lora"),
+        ({"model": "tiny", "strategy": "fsdp", "lora": {}}, "lora"),  # LoRA shards nothing worth it
     ],
 )
 def test_bad_values_name_the_field(values, field):
@@ -81,6 +85,14 @@ def test_a_rerun_must_keep_the_config(tmp_path, no_worker_starts):
     )
     with pytest.raises(ValueError, match="other values for lr"):
         run_training(TrainConfig(**config, lr=2e-3))
+
+
+def test_a_rerun_may_move_to_other_workers_with_the_same_global_batch(tmp_path):
+    config = dict(model="tiny", datasets=["tasks"], output_dir=str(tmp_path), name="r", strategy="fsdp")
+    check_rerun(TrainConfig(**config, num_workers=2, batch_size=4))
+    check_rerun(TrainConfig(**config, num_workers=1, batch_size=4, grad_accum=2, cpus_per_worker=2))
+    with pytest.raises(ValueError, match="other values for cpus_per_worker, grad_accum"):
+        check_rerun(TrainConfig(**config, num_workers=1, batch_size=4))  # 4 examples a step, no longer 8
 
 
 def test_auto_precision_is_bf16_only_where_it_is_native(monkeypatch):

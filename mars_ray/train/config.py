@@ -84,7 +84,12 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(default=1.0, gt=0, description="gradient clipping")
     seed: int = Field(default=42, description="batches, shuffles and initialisation")
     # Ray Train
-    num_workers: int = Field(default=2, ge=1, description="Ray Train workers (DDP)")
+    num_workers: int = Field(default=2, ge=1, description="Ray Train workers")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="ddp: every worker holds the whole model; fsdp: model, gradients and AdamW states"
+        " sharded over the workers (FSDP2), checkpoints sharded too",
+    )
     cpus_per_worker: int = Field(default=1, ge=1, description="also the torch threads of a CPU worker")
     use_gpu: bool = Field(default=False, description="one GPU per worker, NCCL")
     precision: Literal["auto", "fp32", "bf16"] = Field(
@@ -130,6 +135,13 @@ class TrainConfig(BaseModel):
         block_size = info.data.get("block_size")
         if block_size is not None and value > block_size:
             raise ValueError(f"at most block_size ({block_size}) offsets, got {value}")
+        return value
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_on_ddp(cls, value: LoraSettings | None, info: ValidationInfo) -> LoraSettings | None:
+        if value is not None and info.data.get("strategy") == "fsdp":
+            raise ValueError("LoRA trains with strategy ddp only (its adapters are small: nothing to shard)")
         return value
 
     @property

@@ -21,7 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from mars_ray import models
 from mars_ray.core.objective import Example, ScoredLM
-from mars_ray.train import lora
+from mars_ray.train import lora, sharding
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.steps import (
     TRAINER_STATE,
@@ -54,26 +54,26 @@ def train_worker(loop_config: dict) -> None:
 
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint else nullcontext() as saved:
+        saved = saved and Path(saved)
         if saved:
-            verify_checkpoint(Path(saved))  # Ray registers a checkpoint once copied; this proves it whole
-        trained, tokenizer, lm = _load_model(config, loop_config["source"], saved and Path(saved))
-        state = torch.load(Path(saved) / TRAINER_STATE, map_location="cpu") if saved else None
-    if stage == "mars":
-        lm.config.mars_block_size = config.block_size  # decoders default their window to it
-    trained.train()
-    model = ray.train.torch.prepare_model(ScoredLM(lm))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, round(config.warmup_ratio * total_steps), total_steps
-    )
-    start = 0
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = state["step"]
-        if rank == 0:
-            print(f"[{stage}] resuming from the checkpoint of step {start}")
+            verify_checkpoint(saved)  # Ray registers a checkpoint once copied; this proves it whole
+        trained, tokenizer, lm = _load_model(config, loop_config["source"], saved)
+        if stage == "mars":
+            lm.config.mars_block_size = config.block_size  # decoders default their window to it
+        trained.train()
+        if config.strategy == "fsdp":
+            bf16_params = device.type == "cuda" and config.autocast_dtype("cuda") == torch.bfloat16
+            model = sharding.shard(ScoredLM(lm), device, world_size, torch.bfloat16 if bf16_params else None)
+        else:
+            model = ray.train.torch.prepare_model(ScoredLM(lm))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, round(config.warmup_ratio * total_steps), total_steps
+        )
+        start = _resume(config, saved, model, optimizer, scheduler) if saved else 0
+    if start and rank == 0:
+        print(f"[{stage}] resuming from the checkpoint of step {start}")
     objective = Objective(
         stage,
         config.block_size,
@@ -104,7 +104,7 @@ def train_worker(loop_config: dict) -> None:
             device,
             config.autocast_dtype(device.type),
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
+        grad_norm = sharding.full_norm(torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -117,7 +117,7 @@ def train_worker(loop_config: dict) -> None:
             "loss": losses.pop("total"),
             **{f"{name}_loss": value for name, value in losses.items()},
             "lr": lr,
-            "grad_norm": grad_norm.item(),
+            "grad_norm": grad_norm,
             "tokens_per_s": sum(len(e.input_ids) for e in batch) / seconds,
             "step_time_s": seconds,
             "resumed_from": start,  # the checkpoint step this worker group started from (0: none)
@@ -127,7 +127,20 @@ def train_worker(loop_config: dict) -> None:
             continue
         with tempfile.TemporaryDirectory() as folder:
             saved = None
-            if rank == 0:
+            if config.strategy == "fsdp":  # every rank writes its shards; Ray Train merges the folders
+                sharding.save_sharded(
+                    Path(folder),
+                    model,
+                    optimizer,
+                    scheduler,
+                    step,
+                    tokenizer,
+                    rank,
+                    world_size,
+                    full_weights=step == total_steps,
+                )
+                saved = ray.train.Checkpoint.from_directory(folder)
+            elif rank == 0:
                 save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step)
                 saved = ray.train.Checkpoint.from_directory(folder)
             ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=f"checkpoint_{step:06d}")
@@ -141,8 +154,20 @@ def _load_model(config: TrainConfig, source: str, saved: Path | None):
     calls is then the base with the adapters injected, and what is saved is the adapters.
     """
     if config.lora is None:
-        model, tokenizer = models.load(str(saved or source), dtype=torch.float32)
+        full = saved if saved and config.strategy == "ddp" else source  # FSDP: the shards come later
+        model, tokenizer = models.load(str(full), dtype=torch.float32)
         return model, tokenizer, model
     model, tokenizer = models.load(source, dtype=torch.float32)
     adapted = lora.with_adapters(model, config.lora, saved)
     return adapted, tokenizer, adapted.get_base_model()
+
+
+def _resume(config: TrainConfig, saved: Path, model, optimizer, scheduler) -> int:
+    """Optimizer, schedule (and, sharded, the model) from the checkpoint `saved`; the step it was taken at."""
+    state = torch.load(saved / TRAINER_STATE, map_location="cpu")
+    if config.strategy == "fsdp":
+        sharding.load_sharded(saved, model, optimizer)
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["step"]

@@ -16,6 +16,7 @@ Rerunning the same name skips finished stages and resumes an unfinished one from
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -31,12 +32,15 @@ from transformers import AutoTokenizer
 
 from mars_ray import data, models
 from mars_ray.core.objective import Example
-from mars_ray.train import lora
+from mars_ray.train import lora, sharding
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.loop import train_worker
-from mars_ray.train.steps import MANIFEST, TRAINER_STATE, verify_checkpoint
+from mars_ray.train.steps import TRAINER_STATE, verify_checkpoint
 
 RESUMABLE_CHANGES = {"max_failures", "checkpoint_every", "keep_checkpoints"}  # safe to change on a rerun
+# The workers may change on a rerun while the global batch stays: each step then trains on the same examples
+# (a sharded checkpoint is resharded on load).
+WORKER_LAYOUT = {"num_workers", "batch_size", "grad_accum", "cpus_per_worker"}
 # Ray Train's controller collects reports when it polls the workers (every 2 s by default), and a worker's
 # report waits until its previous one was collected: with per-step reports, a 2 s poll caps training at one
 # step per 2 s. The controller reads this variable from the driver's environment.
@@ -60,14 +64,18 @@ def prepare_data(config: TrainConfig, tokenizer) -> tuple[list[Example], list[da
     return examples, reports
 
 
-def _check_rerun(config: TrainConfig) -> None:
+def check_rerun(config: TrainConfig) -> None:
     """A run name is resumed only under the config it started with: its checkpoints depend on it."""
     saved_path = config.run_dir / "config.yaml"
     current = config.model_dump()
     if saved_path.exists():
         saved = yaml.safe_load(saved_path.read_text())
         changed = sorted(k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k))
-        if set(changed) - RESUMABLE_CHANGES:
+        resumable = RESUMABLE_CHANGES
+        saved_batch = math.prod(saved.get(k, 0) for k in ("batch_size", "grad_accum", "num_workers"))
+        if saved_batch == config.global_batch:
+            resumable = resumable | WORKER_LAYOUT
+        if set(changed) - resumable:
             raise ValueError(
                 f"run {config.name!r} in {config.output_dir} has other values for {', '.join(changed)}:"
                 " use another name, or the same config to resume"
@@ -118,7 +126,9 @@ def _checkpoint_files(checkpoint: ray.train.Checkpoint, folder: Path) -> None:
     checkpoint.to_directory(str(folder))
     verify_checkpoint(folder)
     (folder / TRAINER_STATE).unlink()
-    (folder / MANIFEST).unlink()
+    shutil.rmtree(folder / sharding.SHARDS, ignore_errors=True)
+    for manifest in folder.glob("checkpoint*.json"):
+        manifest.unlink()
 
 
 def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, total_steps: int) -> Path:
@@ -171,7 +181,7 @@ def run_training(config: TrainConfig) -> dict[Stage, Path]:
     if config.lora is not None:
         lora.check_targets(source, config.lora)
     examples, reports = prepare_data(config, tokenizer)
-    _check_rerun(config)
+    check_rerun(config)
     (config.run_dir / "data_report.json").write_text(json.dumps([r.to_dict() for r in reports], indent=2))
     for report in reports:
         print(f"data {report.summary()}")

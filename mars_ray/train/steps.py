@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
@@ -151,13 +152,26 @@ def accumulate_gradients(
     shares: dict[str, float] = {}
     for i, examples in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with nullcontext() if last or not isinstance(model, DistributedDataParallel) else model.no_sync():
+        with _gradient_sync(model, last):
             with autocast:
                 sums = objective.loss_sums(model, examples, device)
             (sums["total"] * world_size / normaliser).backward()
         for name, value in sums.items():
             shares[name] = shares.get(name, 0.0) + value.item() / normaliser
     return shares
+
+
+@contextmanager
+def _gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradients add up locally until the last micro-step: DDP skips its all-reduce (`no_sync`), FSDP its
+    reduce-scatter."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    if enabled or not isinstance(model, DistributedDataParallel):
+        yield
+        return
+    with model.no_sync():
+        yield
 
 
 def sum_over_workers(values: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -177,26 +191,56 @@ def save_checkpoint(folder: Path, model: PreTrainedModel, tokenizer, optimizer, 
     tokenizer.save_pretrained(folder)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
     torch.save(state, folder / TRAINER_STATE)
-    files = {path.name: _fingerprint(path) for path in sorted(folder.iterdir()) if path.is_file()}
-    staged = folder / f".{MANIFEST}.tmp"
-    staged.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(staged, folder / MANIFEST)  # atomic: the manifest is whole or absent
+    write_manifest(folder, step)
+
+
+def manifest_name(rank: int) -> str:
+    """Rank 0's manifest is `checkpoint.json`; in a sharded checkpoint every other rank writes its own."""
+    return MANIFEST if rank == 0 else f"checkpoint.rank{rank}.json"
+
+
+def _is_manifest(name: str) -> bool:
+    return name == MANIFEST or (name.startswith("checkpoint.rank") and name.endswith(".json"))
+
+
+def write_manifest(folder: Path, step: int, rank: int = 0, world_size: int = 1) -> None:
+    """List every file under `folder` (its size and SHA-256), atomically, as this rank's manifest. Rank 0's
+    also says how many ranks wrote parts of the checkpoint: each of their manifests must be there too."""
+    files = {
+        str(path.relative_to(folder)): _fingerprint(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and not _is_manifest(path.name)
+    }
+    manifest = {"step": step, "files": files} | ({"world_size": world_size} if rank == 0 else {})
+    staged = folder / f".{manifest_name(rank)}.tmp"
+    staged.write_text(json.dumps(manifest, indent=1))
+    os.replace(staged, folder / manifest_name(rank))  # atomic: the manifest is whole or absent
 
 
 def verify_checkpoint(folder: Path) -> int:
-    """The step of a whole checkpoint; `IncompleteCheckpoint` when a file is missing, short or altered."""
+    """The step of a whole checkpoint; `IncompleteCheckpoint` when a manifest or a file is missing, short or
+    altered (in a sharded checkpoint: any rank's)."""
     folder = Path(folder)
+    manifests = [_read_manifest(folder, 0)]
+    manifests += [_read_manifest(folder, rank) for rank in range(1, manifests[0].get("world_size", 1))]
+    for rank, manifest in enumerate(manifests):
+        if manifest["step"] != manifests[0]["step"]:
+            raise IncompleteCheckpoint(folder, manifest_name(rank), f"is of step {manifest['step']}")
+        for name, expected in manifest["files"].items():
+            path = folder / name
+            if not path.is_file():
+                raise IncompleteCheckpoint(folder, name, "is missing")
+            if _fingerprint(path) != expected:
+                raise IncompleteCheckpoint(folder, name, "differs from the manifest (cut short or altered)")
+    return manifests[0]["step"]
+
+
+def _read_manifest(folder: Path, rank: int) -> dict:
+    name = manifest_name(rank)
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        return json.loads((folder / name).read_text())
     except FileNotFoundError:
-        raise IncompleteCheckpoint(folder, MANIFEST, "is missing (the save did not finish)") from None
-    for name, expected in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise IncompleteCheckpoint(folder, name, "is missing")
-        if _fingerprint(path) != expected:
-            raise IncompleteCheckpoint(folder, name, "differs from the manifest (cut short or altered)")
-    return manifest["step"]
+        raise IncompleteCheckpoint(folder, name, "is missing (the save did not finish)") from None
 
 
 def _fingerprint(path: Path) -> dict:
