@@ -87,6 +87,7 @@ def test_both_stages_run_on_two_workers(two_stage_run):
         assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
         assert [s["step"] for s in steps if s["checkpoint"]] == [3, 6]
         assert all(s["tokens_per_s"] > 0 and s["lr"] > 0 and s["loss"] > 0 for s in steps)
+        assert all(100 < s["peak_memory_mb"] < 8192 for s in steps)  # a worker process, in MB
     mars = logged_steps(config, "mars")[0]
     assert mars["loss"] == pytest.approx(mars["noisy_loss"] + config.ar_weight * mars["clean_loss"])
     report = json.loads((config.run_dir / "data_report.json").read_text())

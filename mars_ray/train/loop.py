@@ -28,6 +28,8 @@ from mars_ray.train.steps import (
     BatchSampler,
     Objective,
     accumulate_gradients,
+    max_over_workers,
+    peak_memory_mb,
     save_checkpoint,
     sum_over_workers,
     verify_checkpoint,
@@ -120,6 +122,7 @@ def train_worker(loop_config: dict) -> None:
             "grad_norm": grad_norm,
             "tokens_per_s": sum(len(e.input_ids) for e in batch) / seconds,
             "step_time_s": seconds,
+            "peak_memory_mb": max_over_workers(peak_memory_mb(device), device),  # the largest worker's
             "resumed_from": start,  # the checkpoint step this worker group started from (0: none)
         }
         if step % config.checkpoint_every and step != total_steps:

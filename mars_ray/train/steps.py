@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -181,6 +182,22 @@ def sum_over_workers(values: dict[str, float], device: torch.device) -> dict[str
     summed = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     dist.all_reduce(summed)
     return dict(zip(values, summed.tolist(), strict=True))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This worker's peak memory so far: the process's peak RSS on a CPU, the allocator's peak on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+
+
+def max_over_workers(value: float, device: torch.device) -> float:
+    """The largest of every worker's `value`."""
+    if not dist.is_initialized():
+        return value
+    largest = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    return largest.item()
 
 
 def save_checkpoint(folder: Path, model: PreTrainedModel, tokenizer, optimizer, scheduler, step: int) -> None:
