@@ -2,6 +2,7 @@
 Ray Train throughput with 1 and 2 workers. Prints markdown for BENCHMARKS.md.
 
     .venv/bin/python scripts/bench_train.py --model tiny --steps 30
+    .venv/bin/python scripts/bench_train.py --model smollm2-135m --strategies --steps 8   # DDP, FSDP, LoRA
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from mars_ray import data, models
 from mars_ray.core.objective import ScoredLM, collate_mars, mars_loss
+from mars_ray.train import lora
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.run import run_training
 from mars_ray.train.steps import Objective
@@ -131,6 +133,62 @@ def bench_workers(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def bench_strategies(args: argparse.Namespace) -> list[str]:
+    """DDP, FSDP and LoRA (on DDP) on 2 workers x 1 thread: the same model, global batch and steps."""
+    ray.init(address="local", num_cpus=2, dashboard_port=8274)
+    lines = [
+        f"Ray Train, `{args.model}`, stage mars, 2 workers x 1 thread, global batch {args.global_batch} "
+        f"chats (max_length {args.max_length}), {args.steps} steps after 3 warm-up steps (compute: median "
+        "step inside a worker; peak memory: the largest worker's peak RSS, model load included; trainable: "
+        "parameters AdamW updates):",
+        "",
+        "| strategy | compute s/step | steps/s | tokens/s | peak memory per worker MB | trainable |",
+        "|---|---|---|---|---|---|",
+    ]
+    variants = {"ddp": {}, "fsdp": {"strategy": "fsdp"}, "lora r=16 (ddp)": {"lora": {"r": 16}}}
+    with tempfile.TemporaryDirectory() as output_dir:
+        for name, extra in variants.items():
+            config = TrainConfig(
+                model=args.model,
+                datasets=["tasks", "chatterbot"],
+                max_length=args.max_length,
+                name=f"bench-{name.split()[0]}",
+                output_dir=output_dir,
+                stages=["mars"],
+                steps=args.steps + 3,
+                batch_size=args.global_batch // 2,
+                num_workers=2,
+                cpus_per_worker=1,
+                checkpoint_every=args.steps + 3,
+                lr=1e-4,
+                precision=args.train_precision,
+                **extra,
+            )
+            run_training(config)
+            log = (config.run_dir / "mars" / "metrics.jsonl").read_text().splitlines()
+            steps = [json.loads(line) for line in log][3:]
+            compute = statistics.median(s["step_time_s"] for s in steps)
+            wall = steps[-1]["time"] - steps[0]["time"]
+            tokens = sum(s["tokens_per_s"] * s["step_time_s"] for s in steps[1:])
+            peak = max(s["peak_memory_mb"] for s in steps)
+            pace = (len(steps) - 1) / wall
+            lines.append(
+                f"| {name} | {compute:.3f} | {pace:.3f} | {tokens / wall:.0f} | {peak:.0f} "
+                f"| {_trainable(args.model, config)} |"
+            )
+    ray.shutdown()
+    return lines
+
+
+def _trainable(model_name: str, config: TrainConfig) -> str:
+    model, _ = models.load(model_name, dtype=torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    if config.lora is not None:
+        model = lora.with_adapters(model, config.lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -145,6 +203,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--steps", type=int, default=30, help="steps per Ray Train run")
     parser.add_argument("--skip-workers", action="store_true", help="only the step-time comparison")
+    parser.add_argument(
+        "--strategies", action="store_true", help="only DDP against FSDP against LoRA on 2 workers"
+    )
+    parser.add_argument("--train-precision", choices=("auto", "fp32", "bf16"), default="auto")
     args = parser.parse_args()
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next(
@@ -153,6 +215,9 @@ def main() -> None:
     )
     print(f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, ray {ray.__version__}, ")
     print(f"{time.strftime('%Y-%m-%d')}; load average {os.getloadavg()[0]:.1f} at start\n")
+    if args.strategies:
+        print("\n".join(bench_strategies(args)))
+        return
     print("\n".join(bench_step(args)) + "\n")
     if not args.skip_workers:
         print("\n".join(bench_workers(args)))
