@@ -55,6 +55,11 @@ class TrainConfig(BaseModel):
         default="train", description="split of Hub and folder datasets (bundled: train)"
     )
     tasks_count: int = Field(default=4000, ge=1, description="rows generated for the bundled `tasks`")
+    streaming: bool = Field(
+        default=False,
+        description="read the datasets as a Ray Data stream, tokenized in parallel and split over the"
+        " workers as they train (data that does not fit the driver); false: tokenized on the driver",
+    )
     max_length: int = Field(default=512, ge=2, description="tokens kept per chat (its first ones)")
     name: str = Field(default="mars", pattern=r"^[\w.-]+$", description="run name; rerunning it resumes")
     output_dir: str = Field(default=str(models.home() / "runs"), description="runs live in output_dir/name")

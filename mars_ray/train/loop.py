@@ -9,19 +9,21 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
 import transformers
 from ray.train.v2._internal.execution import context as ray_train_context
 from transformers import get_cosine_schedule_with_warmup
 
 from mars_ray import models
 from mars_ray.core.objective import Example, ScoredLM
-from mars_ray.train import lora, sharding
+from mars_ray.train import lora, sharding, stream
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.steps import (
     TRAINER_STATE,
@@ -46,7 +48,6 @@ def train_worker(loop_config: dict) -> None:
     config: TrainConfig = loop_config["config"]
     stage: Stage = loop_config["stage"]
     total_steps: int = loop_config["total_steps"]
-    examples: list[Example] = ray.get(loop_config["examples"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device()
@@ -73,7 +74,8 @@ def train_worker(loop_config: dict) -> None:
         scheduler = get_cosine_schedule_with_warmup(
             optimizer, round(config.warmup_ratio * total_steps), total_steps
         )
-        start = _resume(config, saved, model, optimizer, scheduler) if saved else 0
+        state = _resume(config, saved, model, optimizer, scheduler) if saved else {}
+    start = state.get("step", 0)
     if start and rank == 0:
         print(f"[{stage}] resuming from the checkpoint of step {start}")
     objective = Objective(
@@ -86,22 +88,18 @@ def train_worker(loop_config: dict) -> None:
         config.offsets,
     )
 
-    sampler = BatchSampler(
-        [len(e.input_ids) for e in examples], config.global_batch, config.seed, config.group_by_length
-    )
+    if config.streaming:
+        batches = StepBatchesFromStream(config, rank, objective, device, start, state.get("data_counts"))
+    else:
+        batches = StepBatchesInMemory(config, rank, world_size, objective, ray.get(loop_config["examples"]))
     for step in range(start + 1, total_steps + 1):
         began = time.perf_counter()
-        indices = sampler(step - 1)
-        batch = [examples[i] for i in indices]
-        micro_batches = [
-            [examples[i] for i in share]
-            for share in worker_micro_batches(indices, rank, world_size, config.grad_accum)
-        ]
+        micro_batches, normaliser, tokens = batches(step)
         losses = accumulate_gradients(
             model,
             objective,
             micro_batches,
-            objective.normaliser(batch),
+            normaliser,
             world_size,
             device,
             config.autocast_dtype(device.type),
@@ -115,12 +113,12 @@ def train_worker(loop_config: dict) -> None:
         seconds = time.perf_counter() - began
         metrics = {
             "step": step,
-            "epoch": step * config.global_batch / len(examples),
+            "epoch": step * config.global_batch / loop_config["rows"],
             "loss": losses.pop("total"),
             **{f"{name}_loss": value for name, value in losses.items()},
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": sum(len(e.input_ids) for e in batch) / seconds,
+            "tokens_per_s": tokens / seconds,
             "step_time_s": seconds,
             "peak_memory_mb": max_over_workers(peak_memory_mb(device), device),  # the largest worker's
             "resumed_from": start,  # the checkpoint step this worker group started from (0: none)
@@ -128,6 +126,10 @@ def train_worker(loop_config: dict) -> None:
         if step % config.checkpoint_every and step != total_steps:
             ray.train.report(metrics)
             continue
+        extra = {}
+        if config.streaming:  # what every worker has read so far, added up
+            extra["data_counts"] = batches.counts_over_workers()
+            metrics["data_report"] = stream.merge_reports([extra["data_counts"]], config.datasets)
         with tempfile.TemporaryDirectory() as folder:
             saved = None
             if config.strategy == "fsdp":  # every rank writes its shards; Ray Train merges the folders
@@ -141,10 +143,11 @@ def train_worker(loop_config: dict) -> None:
                     rank,
                     world_size,
                     full_weights=step == total_steps,
+                    extra=extra,
                 )
                 saved = ray.train.Checkpoint.from_directory(folder)
             elif rank == 0:
-                save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step)
+                save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step, extra)
                 saved = ray.train.Checkpoint.from_directory(folder)
             ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=f"checkpoint_{step:06d}")
 
@@ -165,12 +168,71 @@ def _load_model(config: TrainConfig, source: str, saved: Path | None):
     return adapted, tokenizer, adapted.get_base_model()
 
 
-def _resume(config: TrainConfig, saved: Path, model, optimizer, scheduler) -> int:
-    """Optimizer, schedule (and, sharded, the model) from the checkpoint `saved`; the step it was taken at."""
+def _resume(config: TrainConfig, saved: Path, model, optimizer, scheduler) -> dict:
+    """Optimizer, schedule (and, sharded, the model) from the checkpoint `saved`; its trainer state (the
+    step it was taken at, and what else the run saved)."""
     state = torch.load(saved / TRAINER_STATE, map_location="cpu")
     if config.strategy == "fsdp":
         sharding.load_sharded(saved, model, optimizer)
     else:
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return state["step"]
+    return state
+
+
+class StepBatchesInMemory:
+    """Every worker holds every example and cuts the same global batch from (seed, step); it trains on
+    its share."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, objective, examples: list[Example]):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.objective, self.examples = objective, examples
+        self.sampler = BatchSampler(
+            [len(e.input_ids) for e in examples], config.global_batch, config.seed, config.group_by_length
+        )
+
+    def __call__(self, step: int) -> tuple[list[list[Example]], int, int]:
+        """This worker's micro-batches of step `step`, the joined batch's normaliser and token count."""
+        indices = self.sampler(step - 1)
+        batch = [self.examples[i] for i in indices]
+        shares = worker_micro_batches(indices, self.rank, self.world_size, self.config.grad_accum)
+        micro_batches = [[self.examples[i] for i in share] for share in shares]
+        return micro_batches, self.objective.normaliser(batch), sum(len(e.input_ids) for e in batch)
+
+
+class StepBatchesFromStream:
+    """Each worker reads its own stream (`stream.StreamedBatches`); the normaliser and token count of the
+    joined batch are added up over the workers. A resumed worker first skips the rows its finished steps
+    took; rank 0 carries the counts saved with the checkpoint."""
+
+    def __init__(self, config: TrainConfig, rank: int, objective, device, start: int, counts: dict | None):
+        self.config, self.objective, self.device = config, objective, device
+        shard = ray.train.get_dataset_shard("train")
+        self.stream = stream.StreamedBatches(
+            shard, config.batch_size, config.group_by_length, config.seed + rank
+        )
+        for _ in range(start * config.grad_accum):
+            self.stream.next(count=False)
+        if counts and rank == 0:
+            self.stream.report = {source: Counter(c) for source, c in counts.items()}
+
+    def __call__(self, step: int) -> tuple[list[list[Example]], int, int]:
+        micro_batches = [self.stream.next() for _ in range(self.config.grad_accum)]
+        local = [e for micro in micro_batches for e in micro]
+        joined = sum_over_workers(
+            {"normaliser": self.objective.normaliser(local), "tokens": sum(len(e.input_ids) for e in local)},
+            self.device,
+        )
+        return micro_batches, max(int(joined["normaliser"]), 1), int(joined["tokens"])
+
+    def counts_over_workers(self) -> dict[str, Counter]:
+        """Every worker's counts of the rows read so far, added up (a collective: every rank calls it)."""
+        reports = [self.stream.report]
+        if dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, self.stream.report)
+        total: dict[str, Counter] = {}
+        for report in reports:
+            for source, counts in report.items():
+                total.setdefault(source, Counter()).update(counts)
+        return total

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from mars_ray import data, models
 from mars_ray.core.objective import Example
-from mars_ray.train import lora, sharding
+from mars_ray.train import lora, sharding, stream
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.loop import train_worker
 from mars_ray.train.steps import TRAINER_STATE, verify_checkpoint
@@ -95,8 +95,11 @@ class ProgressLog(ray.train.UserCallback):
         self.printed = 0.0
 
     def after_report(self, run_context, metrics: list[dict], checkpoint) -> None:
-        step = metrics[0]  # the rank-0 worker's; the losses are already summed over workers
+        step = dict(metrics[0])  # the rank-0 worker's; the losses are already summed over workers
         now = time.time()
+        if "data_report" in step:  # streamed data: the rows read so far
+            report = json.dumps(step.pop("data_report"), indent=2)
+            (self.path.parent.parent / "data_report.json").write_text(report)
         with self.path.open("a") as log:
             log.write(json.dumps({**step, "checkpoint": checkpoint is not None, "time": now}) + "\n")
         if not checkpoint and now - self.printed < self.PRINT_EVERY_S:
@@ -131,8 +134,12 @@ def _checkpoint_files(checkpoint: ray.train.Checkpoint, folder: Path) -> None:
         manifest.unlink()
 
 
-def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, total_steps: int) -> Path:
-    """One stage on `config.num_workers` Ray Train workers; returns its `final/` folder."""
+def fit_stage(
+    config: TrainConfig, stage: Stage, source: str, inputs: dict, rows: int, total_steps: int
+) -> Path:
+    """One stage on `config.num_workers` Ray Train workers; returns its `final/` folder. `inputs` holds the
+    data: `examples` (an object ref of every example) or `datasets` (Ray Data, streamed); `rows` is its
+    number of rows (an epoch)."""
     stage_dir = config.run_dir / stage
     stage_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault(*POLL_INTERVAL)
@@ -142,7 +149,8 @@ def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, tota
             "config": config,
             "stage": stage,
             "source": source,
-            "examples": examples_ref,
+            "examples": inputs.get("examples"),
+            "rows": rows,
             "total_steps": total_steps,
         },
         scaling_config=ray.train.ScalingConfig(
@@ -150,6 +158,7 @@ def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, tota
             use_gpu=config.use_gpu,
             resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
         ),
+        datasets=inputs.get("datasets"),
         run_config=ray.train.RunConfig(
             name=stage,
             storage_path=str(config.run_dir),
@@ -171,6 +180,22 @@ def fit_stage(config: TrainConfig, stage: Stage, source: str, examples_ref, tota
     return final
 
 
+def _start_ray(config: TrainConfig) -> None:
+    """Join the running Ray, or start a local one. Streamed data is read and tokenized by Ray Data tasks
+    beside the training workers, so a local cluster then declares a CPU more than the workers take (on a
+    small machine they would otherwise hold every CPU, and no read task could ever start)."""
+    if ray.is_initialized():
+        return
+    needed = config.num_workers * config.cpus_per_worker + 1
+    if not config.streaming or (os.cpu_count() or 1) >= needed:
+        ray.init()
+        return
+    try:
+        ray.init(num_cpus=needed)
+    except ValueError:  # Ray refuses num_cpus when it joins a running cluster, which has its own CPUs
+        ray.init()
+
+
 def run_training(config: TrainConfig) -> dict[Stage, Path]:
     """Run the configured stages in order, each starting from the previous one's result; their final folders.
 
@@ -180,24 +205,29 @@ def run_training(config: TrainConfig) -> dict[Stage, Path]:
     tokenizer = AutoTokenizer.from_pretrained(source)
     if config.lora is not None:
         lora.check_targets(source, config.lora)
-    examples, reports = prepare_data(config, tokenizer)
-    check_rerun(config)
-    (config.run_dir / "data_report.json").write_text(json.dumps([r.to_dict() for r in reports], indent=2))
-    for report in reports:
-        print(f"data {report.summary()}")
-    total_steps = config.total_steps(len(examples))
-    print(f"{len(examples)} examples, {total_steps} steps per stage of {config.global_batch} examples")
-
-    if not ray.is_initialized():
-        ray.init()
-    examples_ref = ray.put(examples)
+    if config.streaming:
+        _start_ray(config)
+        train_data, rows = stream.plan(config, source)
+        check_rerun(config)
+        inputs = {"datasets": {"train": train_data}}
+        print(f"{rows} rows streamed from {len(config.datasets)} sources (report: data_report.json)")
+    else:
+        examples, reports = prepare_data(config, tokenizer)
+        check_rerun(config)
+        (config.run_dir / "data_report.json").write_text(json.dumps([r.to_dict() for r in reports], indent=2))
+        for report in reports:
+            print(f"data {report.summary()}")
+        _start_ray(config)
+        inputs, rows = {"examples": ray.put(examples)}, len(examples)
+    total_steps = config.total_steps(rows)
+    print(f"{rows} examples, {total_steps} steps per stage of {config.global_batch} examples")
     finals: dict[Stage, Path] = {}
     for stage in config.stages:
         final = config.run_dir / stage / "final"
         if (final / "config.json").exists():
             print(f"[{stage}] already finished: {final}")
         else:
-            final = fit_stage(config, stage, source, examples_ref, total_steps)
+            final = fit_stage(config, stage, source, inputs, rows, total_steps)
             print(f"[{stage}] finished: {final}")
         finals[stage] = final
         source = str(final)

@@ -68,6 +68,7 @@ def save_sharded(
     rank: int,
     world_size: int,
     full_weights: bool,
+    extra: dict | None = None,
 ) -> None:
     """Every rank calls this (it holds collectives) with a folder of its own; see the module docstring."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -80,7 +81,8 @@ def save_sharded(
     if rank == 0:
         lm.config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        torch.save({"scheduler": scheduler.state_dict(), "step": step}, folder / TRAINER_STATE)
+        state = {"scheduler": scheduler.state_dict(), "step": step, **(extra or {})}
+        torch.save(state, folder / TRAINER_STATE)
     write_manifest(folder, step, rank, world_size)
 
 

@@ -200,13 +200,23 @@ def max_over_workers(value: float, device: torch.device) -> float:
     return largest.item()
 
 
-def save_checkpoint(folder: Path, model: PreTrainedModel, tokenizer, optimizer, scheduler, step: int) -> None:
-    """A `save_pretrained` folder (safetensors, tokenizer with its mask token), the trainer state, and last
-    the manifest that makes it a checkpoint: a crash at any point before it, or while Ray Train copies the
-    folder to storage in any order, leaves a folder that `verify_checkpoint` refuses."""
+def save_checkpoint(
+    folder: Path,
+    model: PreTrainedModel,
+    tokenizer,
+    optimizer,
+    scheduler,
+    step: int,
+    extra: dict | None = None,
+) -> None:
+    """A `save_pretrained` folder (safetensors, tokenizer with its mask token), the trainer state (with
+    `extra` in it), and last the manifest that makes it a checkpoint: a crash at any point before it, or
+    while Ray Train copies the folder to storage in any order, leaves a folder that `verify_checkpoint`
+    refuses."""
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step}
+    state.update(extra or {})
     torch.save(state, folder / TRAINER_STATE)
     write_manifest(folder, step)
 

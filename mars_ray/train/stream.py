@@ -1,0 +1,174 @@
+"""Training data as a Ray Data stream (`streaming: true`), for datasets that do not fit the driver.
+
+The driver only plans: each source becomes a Ray Data dataset (Parquet and JSONL files or folders are read
+in blocks; bundled and other `datasets` sources are handed over whole), tokenized by `map_batches` tasks in
+parallel, and Ray Train splits the union into one equal stream per worker (`get_dataset_shard`). Rows are
+read and tokenized only as the workers consume them, so the first step starts at once and the driver never
+holds the data.
+
+A worker takes its micro-batches as a fixed number of rows (`batch_size`), of which the skipped ones are
+dropped and counted, so every worker takes the same number of micro-steps per epoch and none waits for
+another at an epoch's end. The loss is normalised by the joined batch's kept examples (or tokens), summed
+over the workers, as in memory. `group_by_length` sorts each run of `MEGABATCH` micro-batches by length
+before it is cut, then shuffles their order (the in-memory rule, applied to each worker's stream). Each
+epoch reads the blocks in a new seeded order through a seeded local shuffle buffer.
+
+`data_report.json` counts, per source, the rows the run has read (kept, cut, skipped by reason); it is
+written at every checkpoint, and after a full epoch it equals the in-memory report. A resumed run skips the
+rows its finished steps took; which rows those were within the epoch is Ray Data's order, not replayed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import ray.data
+from transformers import AutoTokenizer
+
+from mars_ray import data
+from mars_ray.core.objective import Example
+
+MEGABATCH = 50
+SHUFFLE_BUFFER = 1024  # rows in each worker's local shuffle buffer
+
+
+def source_dataset(source: str, split: str, tasks_count: int) -> ray.data.Dataset:
+    """One source's rows, unread: Parquet and JSONL files or folders by block, anything else whole."""
+    path = Path(source).expanduser()
+    files = sorted(path.glob("*")) if path.is_dir() else [path]
+    suffixes = {p.suffix for p in files if p.is_file()}
+    if path.exists() and suffixes == {".parquet"}:
+        return ray.data.read_parquet(str(path), columns=_present(path, files))
+    if path.exists() and suffixes == {".jsonl"}:
+        return ray.data.read_json(str(path), lines=True)
+    rows = data.load_chats(source, split, tasks_count)  # bundled, save_to_disk folders, Hub ids
+    return ray.data.from_arrow(rows.data.table)
+
+
+def _present(path: Path, files: list[Path]) -> list[str]:
+    """The columns training reads, of those the first Parquet file has (`messages` must be one)."""
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(next(p for p in files if p.suffix == ".parquet")).names
+    if "messages" not in names:
+        raise ValueError(f"{str(path)!r} has no 'messages' column (columns: {', '.join(names)})")
+    return [name for name in ("messages", "complete") if name in names]
+
+
+@functools.cache
+def _tokenizer(model: str):
+    return AutoTokenizer.from_pretrained(model)
+
+
+def tokenize_batch(batch: pa.Table, source: str, model: str, max_length: int) -> pa.Table:
+    """`data.tokenize_chat` over a block of rows: every row comes out, a skipped one with its reason."""
+    tokenizer = _tokenizer(model)
+    messages = batch.column("messages").to_pylist()
+    completes = batch.column("complete").to_pylist() if "complete" in batch.column_names else None
+    out: dict[str, list] = {"input_ids": [], "labels": [], "skipped": [], "truncated": []}
+    for i, chat in enumerate(messages):
+        complete = completes is None or completes[i] is not False
+        result = data.tokenize_chat(tokenizer, chat, max_length, complete)
+        skipped = result if isinstance(result, str) else ""
+        ids = [] if skipped else result.input_ids
+        out["input_ids"].append(ids[:max_length])
+        out["labels"].append([] if skipped else result.labels[:max_length])
+        out["skipped"].append(skipped)
+        out["truncated"].append(not skipped and (len(ids) > max_length or not complete))
+    out["source"] = [source] * len(messages)
+    return pa.table(out)
+
+
+def plan(config, model: str) -> tuple[ray.data.Dataset, int]:
+    """The tokenized union of `config.datasets` (nothing read yet but metadata) and its number of rows."""
+    parts = []
+    for i, source in enumerate(config.datasets):
+        split = "train" if source in data.BUNDLED_SOURCES else config.dataset_split
+        try:
+            rows = source_dataset(source, split, config.tasks_count)
+        except (ValueError, OSError) as error:
+            raise ValueError(f"datasets[{i}]: {error}") from None
+        parts.append(
+            rows.map_batches(
+                tokenize_batch,
+                batch_format="pyarrow",
+                fn_kwargs={"source": source, "model": model, "max_length": config.max_length},
+            )
+        )
+    union = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    rows = sum(part.count() for part in parts)  # Parquet: from the files' metadata
+    if not rows:
+        raise ValueError(f"datasets: no rows in {config.datasets}")
+    return union, rows
+
+
+class StreamedBatches:
+    """One worker's micro-batches from its Ray Data shard: `rows` rows each, skipped rows dropped and
+    counted in `report` (source -> counts)."""
+
+    def __init__(self, shard, rows: int, group_by_length: bool, seed: int) -> None:
+        self.shard, self.rows, self.group_by_length, self.seed = shard, rows, group_by_length, seed
+        self.report: dict[str, Counter] = {}
+        self.pending: list[list[dict]] = []  # micro-batches of rows, ready
+        self.order = random.Random(seed)  # of a window's length-grouped micro-batches
+        self.stream = self._rows()
+
+    def _rows(self) -> Iterator[dict]:
+        for epoch in itertools.count():
+            batches = self.shard.iter_batches(
+                batch_size=256,
+                batch_format="pyarrow",
+                local_shuffle_buffer_size=SHUFFLE_BUFFER,
+                local_shuffle_seed=self.seed * 1_000_003 + epoch,
+            )
+            for batch in batches:
+                yield from batch.to_pylist()
+
+    def _fill(self) -> None:
+        window = MEGABATCH if self.group_by_length else 1
+        rows = list(itertools.islice(self.stream, window * self.rows))
+        if self.group_by_length:
+            rows.sort(key=lambda row: len(row["input_ids"]))
+        groups = [rows[g : g + self.rows] for g in range(0, len(rows), self.rows)]
+        if self.group_by_length:
+            self.order.shuffle(groups)
+        self.pending += groups
+
+    def next(self, count: bool = True) -> list[Example]:
+        """The next micro-batch's kept examples; `count=False` skips rows without counting them (resume)."""
+        if not self.pending:
+            self._fill()
+        examples = []
+        for row in self.pending.pop(0):
+            counts = self.report.setdefault(row["source"], Counter()) if count else Counter()
+            counts["rows"] += 1
+            if row["skipped"]:
+                counts[f"skipped:{row['skipped']}"] += 1
+                continue
+            counts["kept"] += 1
+            counts["truncated"] += bool(row["truncated"])
+            examples.append(Example(row["input_ids"], row["labels"]))
+        return examples
+
+
+def merge_reports(reports: list[dict[str, Counter]], sources: list[str]) -> list[dict]:
+    """Every worker's counts, added up, as `DataReport` dicts in the order of `config.datasets`."""
+    total: dict[str, Counter] = {source: Counter() for source in sources}
+    for report in reports:
+        for source, counts in report.items():
+            total[source].update(counts)
+    merged = []
+    for source in sources:
+        counts = total[source]
+        skipped = {k.removeprefix("skipped:"): v for k, v in counts.items() if k.startswith("skipped:")}
+        report = data.DataReport(
+            source, counts["rows"], counts["kept"], counts["truncated"], Counter(skipped)
+        )
+        merged.append(report.to_dict())
+    return merged
