@@ -1,7 +1,8 @@
 """Regenerates the parts of the KubeRay manifests that other files own, so the two cannot drift apart:
 
 - `entrypoint` of k8s/rayjob-train.yaml: the command that README.md's `## Train` section runs with
-  `ray job submit ... -- <command>` (its first such command); k8s/rayjob-train-gpu.yaml adds `use_gpu=true`;
+  `ray job submit ... -- <command>` (its first such command); k8s/rayjob-train-gpu.yaml adds `use_gpu=true
+  strategy=fsdp`;
 - `serveConfigV2` of k8s/rayservice.yaml: serve_configs/kubernetes.yaml, verbatim.
 
     python k8s/render.py            # rewrite the manifests that are out of date
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
 README = REPO / "README.md"
 SERVE_CONFIG = REPO / "serve_configs" / "kubernetes.yaml"
-GPU_OVERRIDES = ["use_gpu=true"]
+GPU_OVERRIDES = ["use_gpu=true", "strategy=fsdp"]
 
 
 def readme_section(readme: str, title: str) -> str:

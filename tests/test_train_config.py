@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import ray
@@ -104,3 +105,8 @@ def test_auto_precision_is_bf16_only_where_it_is_native(monkeypatch):
     assert config.autocast_dtype("cpu") == torch.bfloat16
     assert TrainConfig(model="tiny", precision="fp32").autocast_dtype("cuda") is None
     assert TrainConfig(model="tiny", precision="bf16").autocast_dtype("cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=str)
+def test_every_shipped_config_validates(path):
+    load_config(path)
