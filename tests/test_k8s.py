@@ -199,10 +199,12 @@ def test_rayservice_can_add_replicas_and_nodes():
 def test_rayjob_entrypoint_is_the_readme_train_command():
     command = render.train_command(render.README.read_text())
     assert shlex.split(manifest("rayjob-train.yaml")["spec"]["entrypoint"]) == command
-    assert shlex.split(manifest("rayjob-train-gpu.yaml")["spec"]["entrypoint"]) == command + ["use_gpu=true"]
-    from mars_ray.train.config import TrainConfig  # the training config names the override the GPU job adds
+    gpu = command + ["use_gpu=true", "strategy=fsdp"]
+    assert shlex.split(manifest("rayjob-train-gpu.yaml")["spec"]["entrypoint"]) == gpu
+    from mars_ray.train.config import load_config  # the overrides the GPU job adds are valid keys and values
 
-    assert "use_gpu" in TrainConfig.model_fields
+    config = load_config(REPO / command[command.index("--config") + 1], gpu[command.index("--config") + 2 :])
+    assert config.use_gpu and config.strategy == "fsdp"
 
 
 def test_train_command_reads_the_first_submit_in_the_train_section():
