@@ -1,7 +1,9 @@
 """The per-worker training loop on Ray Train: a rank, a checkpoint and `report` around `steps.py`.
 
-Every worker holds the whole tokenized dataset and derives the same global batch for each step from
-(seed, step); it trains on its equal share (`worker_micro_batches`, DistributedSampler style).
+Data: in memory, every worker holds the whole tokenized dataset and derives the same global batch for each
+step from (seed, step), then trains on its equal share (`worker_micro_batches`, DistributedSampler style);
+streamed (`stream.py`), each worker reads its own Ray Data shard. The model is whole on every worker (DDP)
+or sharded (`sharding.py`, FSDP), and with LoRA (`lora.py`) only its adapters train.
 """
 
 from __future__ import annotations
