@@ -5,25 +5,17 @@ driver (slow: Ray Train fits)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import ray
 from transformers import AutoTokenizer
 
 from mars_ray import models
+from mars_ray.bench.stream import chat, run_streamed, write_parquet
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.run import prepare_data, run_training
 
 pytestmark = pytest.mark.slow
-
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +23,6 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
-
-
-def chat(i: int, reply_words: int = 6) -> list[dict]:
-    words = " ".join(f"w{(i * 7 + k) % 97}" for k in range(reply_words))
-    return [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}: {words}"}]
-
-
-def write_parquet(folder: Path, chats: list, files: int) -> None:
-    folder.mkdir(parents=True)
-    per_file = -(-len(chats) // files)
-    for f in range(files):
-        part = chats[f * per_file : (f + 1) * per_file]
-        pq.write_table(
-            pa.table({"messages": pa.array(part, type=MESSAGES)}), folder / f"part-{f:03d}.parquet"
-        )
 
 
 def test_streamed_rows_are_counted_as_the_in_memory_path_counts_them(local_ray, tmp_path):
@@ -85,41 +62,16 @@ def test_streamed_rows_are_counted_as_the_in_memory_path_counts_them(local_ray, 
     assert step["loss"] > 0 and step["epoch"] == pytest.approx(1.0)
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def test_a_parquet_folder_of_200k_chats_streams_with_a_small_driver(tmp_path):
     """`mars-ray train` over 200,000 generated chats in 8 Parquet files, on 2 workers and its own Ray: the
-    driver reads metadata only (its peak RSS stays under 1 GiB) and the workers read what they train on."""
+    driver reads metadata only (its peak RSS stays under 1 GiB) and the workers read what they train on.
+    `python -m mars_ray.bench.stream` times the same run."""
     write_parquet(tmp_path / "chats", [chat(i) for i in range(200_000)], files=8)
-    runs = tmp_path / "runs"
-    command = [
-        sys.executable, "-m", "mars_ray.cli", "train", "model=tiny", f"datasets=[{tmp_path / 'chats'}]",
-        "streaming=true", "stages=[mars]", "steps=4", "batch_size=8", "num_workers=2", "checkpoint_every=2",
-        "max_length=48", "group_by_length=true", f"output_dir={runs}", "name=big",
-    ]  # fmt: skip
-    began = time.time()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak = [0.0]
-
-    def watch() -> None:
-        while process.poll() is None:
-            peak[0] = max(peak[0], peak_rss_mb(process.pid))
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    output, _ = process.communicate(timeout=600)
-    watcher.join()
-    assert process.returncode == 0, output[-3000:]
-    assert "200000 rows streamed" in output
-    steps = [json.loads(line) for line in (runs / "big" / "mars" / "metrics.jsonl").read_text().splitlines()]
-    print(f"first step {steps[0]['time'] - began:.1f} s after start; driver peak RSS {peak[0]:.0f} MB")
-    assert [s["step"] for s in steps] == [1, 2, 3, 4]
-    assert 0 < peak[0] < 1024
-    (report,) = json.loads((runs / "big" / "data_report.json").read_text())
+    run = run_streamed(tmp_path / "chats", tmp_path / "runs", steps=4)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "200000 rows streamed" in run.output
+    print(f"first step {run.first_step_s:.1f} s after start; driver peak RSS {run.driver_peak_mb:.0f} MB")
+    assert [s["step"] for s in run.steps] == [1, 2, 3, 4]
+    assert 0 < run.driver_peak_mb < 1024
+    (report,) = run.report
     assert report["rows"] == 4 * 8 * 2 and report["kept"] == report["rows"]  # read: what was trained on

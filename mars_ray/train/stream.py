@@ -36,6 +36,7 @@ from mars_ray.core.objective import Example
 
 MEGABATCH = 50
 SHUFFLE_BUFFER = 1024  # rows in each worker's local shuffle buffer
+BLOCK_BYTES = 1 << 20
 
 
 def source_dataset(source: str, split: str, tasks_count: int) -> ray.data.Dataset:
@@ -87,22 +88,26 @@ def tokenize_batch(batch: pa.Table, source: str, model: str, max_length: int) ->
 
 def plan(config, model: str) -> tuple[ray.data.Dataset, int]:
     """The tokenized union of `config.datasets` (nothing read yet but metadata) and its number of rows."""
-    parts = []
+    # Small output blocks: a worker's first rows are ready once a few thousand chats are tokenized, not
+    # when a task has tokenized its whole file (Ray Data's default cuts blocks at 128 MiB).
+    ray.data.DataContext.get_current().target_max_block_size = BLOCK_BYTES
+    parts, rows = [], 0
     for i, source in enumerate(config.datasets):
         split = "train" if source in data.BUNDLED_SOURCES else config.dataset_split
         try:
-            rows = source_dataset(source, split, config.tasks_count)
+            source_rows = source_dataset(source, split, config.tasks_count)
         except (ValueError, OSError) as error:
             raise ValueError(f"datasets[{i}]: {error}") from None
+        rows += source_rows.count()  # before the map, which could change the count: Parquet metadata only
         parts.append(
-            rows.map_batches(
+            source_rows.map_batches(
                 tokenize_batch,
                 batch_format="pyarrow",
+                batch_size=512,
                 fn_kwargs={"source": source, "model": model, "max_length": config.max_length},
             )
         )
     union = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    rows = sum(part.count() for part in parts)  # Parquet: from the files' metadata
     if not rows:
         raise ValueError(f"datasets: no rows in {config.datasets}")
     return union, rows
