@@ -11,17 +11,16 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import ray
 import torch
 
 from mars_ray import data, models
+from mars_ray.bench import machine
 from mars_ray.core.objective import ScoredLM, collate_mars, mars_loss
 from mars_ray.train import lora
 from mars_ray.train.config import TrainConfig
@@ -208,12 +207,7 @@ def main() -> None:
     )
     parser.add_argument("--train-precision", choices=("auto", "fp32", "bf16"), default="auto")
     args = parser.parse_args()
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-        platform.machine(),
-    )
-    print(f"{cpu}, {os.cpu_count()} cores; torch {torch.__version__}, ray {ray.__version__}, ")
+    print(f"{machine.describe()}; torch {torch.__version__}, ray {ray.__version__}, ")
     print(f"{time.strftime('%Y-%m-%d')}; load average {os.getloadavg()[0]:.1f} at start\n")
     if args.strategies:
         print("\n".join(bench_strategies(args)))

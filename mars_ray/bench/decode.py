@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import math
-import platform
 import time
 import typing
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from mars_ray import cli_args, models
 from mars_ray.bench.baseline import hf_greedy_tokens
+from mars_ray.bench.machine import cpu_name
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
@@ -480,7 +480,7 @@ def _sync(device: torch.device) -> None:
 def _machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+    return f"{cpu_name()}, {torch.get_num_threads()} torch threads"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 import httpx
 
 from mars_ray import data
+from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
 
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(hf_static_batches(args, chats))
 
     print(
-        f"{time.strftime('%Y-%m-%d')} · {platform.machine()} {os.cpu_count()} CPUs · {args.model} · "
+        f"{time.strftime('%Y-%m-%d')} · {machine.describe()} · {args.model} · "
         f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
         f"concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}"

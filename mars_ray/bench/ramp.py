@@ -16,13 +16,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
+from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(runs, args.target, args.out / "ramp.png", bin_s=max(args.stage_s / 3, 1.0))
     dump = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": machine.describe(),
         "rows": rows,
         "runs": {
             mode: {
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     (args.out / "ramp.json").write_text(json.dumps(dump, indent=1))
     print(
-        f"{time.strftime('%Y-%m-%d')} · {platform.machine()} {os.cpu_count()} CPUs · {args.model} · "
+        f"{time.strftime('%Y-%m-%d')} · {machine.describe()} · {args.model} · "
         f"levels {args.levels} x {args.stage_s:g}s, tail {args.tail_s:g}s, max_tokens {args.max_tokens}"
     )
     print(table(rows, args.target))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mars_ray.bench import machine
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
@@ -104,12 +105,7 @@ def main() -> None:
         run = run_streamed(Path(folder) / "chats", Path(folder) / "runs", args.steps)
     if run.returncode:
         sys.exit(run.output[-3000:])
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.machine(),
-    )  # fmt: skip
-    print(f"{cpu}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.1f}")
+    print(f"{machine.describe()}, {time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.1f}")
     print(f"{args.chats} chats in {args.files} Parquet files (written in {written:.1f} s)")
     print(f"first step {run.first_step_s:.1f} s after the command started")
     print(f"driver peak RSS {run.driver_peak_mb:.0f} MB")
