@@ -52,6 +52,13 @@ def test_streamed_rows_are_counted_as_the_in_memory_path_counts_them(local_ray, 
     }
     assert in_memory[2]["truncated"] == 7
 
+    no_messages = tmp_path / "text.jsonl"
+    no_messages.write_text(json.dumps({"text": "hello"}) + "\n")
+    bad = TrainConfig(**{**values, "datasets": ["tasks", str(no_messages)]}, name="bad", streaming=True)
+    with pytest.raises(ValueError, match=r"datasets\[1\]: .* no 'messages' column"):
+        run_training(bad)
+    assert not (bad.run_dir / "mars").exists()  # no worker started
+
     config = TrainConfig(**values, name="stream", streaming=True, steps=1, batch_size=rows)
     finals = run_training(config)
     assert json.loads((config.run_dir / "data_report.json").read_text()) == in_memory

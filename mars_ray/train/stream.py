@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import random
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray.data
 from transformers import AutoTokenizer
 
@@ -43,23 +45,24 @@ def source_dataset(source: str, split: str, tasks_count: int) -> ray.data.Datase
     """One source's rows, unread: Parquet and JSONL files or folders by block, anything else whole."""
     path = Path(source).expanduser()
     files = sorted(path.glob("*")) if path.is_dir() else [path]
-    suffixes = {p.suffix for p in files if p.is_file()}
-    if path.exists() and suffixes == {".parquet"}:
-        return ray.data.read_parquet(str(path), columns=_present(path, files))
-    if path.exists() and suffixes == {".jsonl"}:
+    files = [p for p in files if p.is_file()]
+    suffixes = {p.suffix for p in files}
+    if suffixes == {".parquet"}:
+        names = pq.read_schema(files[0]).names
+        _require_messages(source, names)
+        return ray.data.read_parquet(str(path), columns=[n for n in ("messages", "complete") if n in names])
+    if suffixes == {".jsonl"}:
+        with files[0].open() as first:
+            _require_messages(source, list(json.loads(first.readline() or "{}")))
         return ray.data.read_json(str(path), lines=True)
     rows = data.load_chats(source, split, tasks_count)  # bundled, save_to_disk folders, Hub ids
     return ray.data.from_arrow(rows.data.table)
 
 
-def _present(path: Path, files: list[Path]) -> list[str]:
-    """The columns training reads, of those the first Parquet file has (`messages` must be one)."""
-    import pyarrow.parquet as pq
-
-    names = pq.read_schema(next(p for p in files if p.suffix == ".parquet")).names
-    if "messages" not in names:
-        raise ValueError(f"{str(path)!r} has no 'messages' column (columns: {', '.join(names)})")
-    return [name for name in ("messages", "complete") if name in names]
+def _require_messages(source: str, columns: list[str]) -> None:
+    """The first file's columns (or first row's keys) include `messages`: checked before any worker starts."""
+    if "messages" not in columns:
+        raise ValueError(f"{source!r} has no 'messages' column (columns: {', '.join(columns)})")
 
 
 @functools.cache
