@@ -89,6 +89,33 @@ def bench_step(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def timed_run(
+    args: argparse.Namespace, output_dir: str, name: str, workers: int, threads: int, **extra
+) -> tuple[TrainConfig, list[dict], float]:
+    """One stage-mars run of `args.steps` + 3 steps (the same global batch for any worker count): its
+    config, the logged steps after the 3 warm-up steps, and the seconds of the whole fit."""
+    config = TrainConfig(
+        model=args.model,
+        datasets=["tasks", "chatterbot"],
+        max_length=args.max_length,
+        name=name,
+        output_dir=output_dir,
+        stages=["mars"],
+        steps=args.steps + 3,
+        batch_size=args.global_batch // workers,
+        num_workers=workers,
+        cpus_per_worker=threads,
+        checkpoint_every=args.steps + 3,
+        lr=1e-4,
+        **extra,
+    )
+    began = time.perf_counter()
+    run_training(config)
+    fit = time.perf_counter() - began
+    log = (config.run_dir / "mars" / "metrics.jsonl").read_text().splitlines()
+    return config, [json.loads(line) for line in log][3:], fit
+
+
 def bench_workers(args: argparse.Namespace) -> list[str]:
     """The same global batch and steps with 1 worker (1 or 2 threads) and 2 workers (1 thread each)."""
     ray.init(address="local", num_cpus=2, dashboard_port=8274)  # not 8265: leave the default free
@@ -102,25 +129,7 @@ def bench_workers(args: argparse.Namespace) -> list[str]:
     ]
     with tempfile.TemporaryDirectory() as output_dir:
         for workers, threads in ((1, 1), (1, 2), (2, 1)):
-            config = TrainConfig(
-                model=args.model,
-                datasets=["tasks", "chatterbot"],
-                max_length=args.max_length,
-                name=f"bench-{workers}x{threads}",
-                output_dir=output_dir,
-                stages=["mars"],
-                steps=args.steps + 3,
-                batch_size=args.global_batch // workers,
-                num_workers=workers,
-                cpus_per_worker=threads,
-                checkpoint_every=args.steps + 3,
-                lr=1e-4,
-            )
-            began = time.perf_counter()
-            run_training(config)
-            fit = time.perf_counter() - began
-            log = (config.run_dir / "mars" / "metrics.jsonl").read_text().splitlines()
-            steps = [json.loads(line) for line in log][3:]
+            _, steps, fit = timed_run(args, output_dir, f"bench-{workers}x{threads}", workers, threads)
             pace = statistics.median(b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False))
             compute = statistics.median(s["step_time_s"] for s in steps)
             tokens = sum(s["tokens_per_s"] * s["step_time_s"] for s in steps[1:])
@@ -147,25 +156,9 @@ def bench_strategies(args: argparse.Namespace) -> list[str]:
     variants = {"ddp": {}, "fsdp": {"strategy": "fsdp"}, "lora r=16 (ddp)": {"lora": {"r": 16}}}
     with tempfile.TemporaryDirectory() as output_dir:
         for name, extra in variants.items():
-            config = TrainConfig(
-                model=args.model,
-                datasets=["tasks", "chatterbot"],
-                max_length=args.max_length,
-                name=f"bench-{name.split()[0]}",
-                output_dir=output_dir,
-                stages=["mars"],
-                steps=args.steps + 3,
-                batch_size=args.global_batch // 2,
-                num_workers=2,
-                cpus_per_worker=1,
-                checkpoint_every=args.steps + 3,
-                lr=1e-4,
-                precision=args.train_precision,
-                **extra,
+            config, steps, _ = timed_run(
+                args, output_dir, f"bench-{name.split()[0]}", 2, 1, precision=args.train_precision, **extra
             )
-            run_training(config)
-            log = (config.run_dir / "mars" / "metrics.jsonl").read_text().splitlines()
-            steps = [json.loads(line) for line in log][3:]
             compute = statistics.median(s["step_time_s"] for s in steps)
             wall = steps[-1]["time"] - steps[0]["time"]
             tokens = sum(s["tokens_per_s"] * s["step_time_s"] for s in steps[1:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny
+from test_decoding import hf_greedy
 from test_learning import copy_task
 from transformers import AutoModelForCausalLM
 
@@ -82,16 +83,7 @@ def test_lora_mars_learns_several_tokens_per_forward_and_merges_to_plain_transfo
         merged, held_out, MASK_ID, DecodeConfig(tau=1.0, max_new_tokens=12, stop_token_ids=stop)
     )
     with torch.no_grad():
-        greedy = merged.generate(
-            torch.tensor(held_out),
-            do_sample=False,
-            max_new_tokens=12,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
-        )[:, 9:].tolist()
-    assert [r.tokens for r in exact] == [
-        row[: row.index(EOS_ID) + 1] if EOS_ID in row else row for row in greedy
-    ]
+        assert [r.tokens for r in exact] == hf_greedy(merged, held_out, 12)
     again = decode_cached(
         merged, held_out, MASK_ID, DecodeConfig(tau=0.9, block_size=4, max_new_tokens=12, stop_token_ids=stop)
     )

@@ -131,7 +131,7 @@ def train_worker(loop_config: dict) -> None:
         extra = {}
         if config.streaming:  # what every worker has read so far, added up
             extra["data_counts"] = batches.counts_over_workers()
-            metrics["data_report"] = stream.merge_reports([extra["data_counts"]], config.datasets)
+            metrics["data_report"] = stream.data_reports(extra["data_counts"], config.datasets)
         with tempfile.TemporaryDirectory() as folder:
             saved = None
             if config.strategy == "fsdp":  # every rank writes its shards; Ray Train merges the folders
@@ -233,8 +233,4 @@ class StepBatchesFromStream:
         if dist.is_initialized():
             reports = [None] * dist.get_world_size()
             dist.all_gather_object(reports, self.stream.report)
-        total: dict[str, Counter] = {}
-        for report in reports:
-            for source, counts in report.items():
-                total.setdefault(source, Counter()).update(counts)
-        return total
+        return stream.add_counts(reports)

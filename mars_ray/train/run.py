@@ -35,7 +35,7 @@ from mars_ray.core.objective import Example
 from mars_ray.train import lora, sharding, stream
 from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.loop import train_worker
-from mars_ray.train.steps import TRAINER_STATE, verify_checkpoint
+from mars_ray.train.steps import TRAINER_STATE, is_manifest, verify_checkpoint
 
 RESUMABLE_CHANGES = {"max_failures", "checkpoint_every", "keep_checkpoints"}  # safe to change on a rerun
 # The workers may change on a rerun while the global batch stays: each step then trains on the same examples
@@ -130,8 +130,9 @@ def _checkpoint_files(checkpoint: ray.train.Checkpoint, folder: Path) -> None:
     verify_checkpoint(folder)
     (folder / TRAINER_STATE).unlink()
     shutil.rmtree(folder / sharding.SHARDS, ignore_errors=True)
-    for manifest in folder.glob("checkpoint*.json"):
-        manifest.unlink()
+    for path in folder.iterdir():
+        if is_manifest(path.name):
+            path.unlink()
 
 
 def fit_stage(

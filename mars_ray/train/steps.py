@@ -226,7 +226,8 @@ def manifest_name(rank: int) -> str:
     return MANIFEST if rank == 0 else f"checkpoint.rank{rank}.json"
 
 
-def _is_manifest(name: str) -> bool:
+def is_manifest(name: str) -> bool:
+    """A manifest of any rank (what a user's copy of a checkpoint leaves out)."""
     return name == MANIFEST or (name.startswith("checkpoint.rank") and name.endswith(".json"))
 
 
@@ -236,7 +237,7 @@ def write_manifest(folder: Path, step: int, rank: int = 0, world_size: int = 1) 
     files = {
         str(path.relative_to(folder)): _fingerprint(path)
         for path in sorted(folder.rglob("*"))
-        if path.is_file() and not _is_manifest(path.name)
+        if path.is_file() and not is_manifest(path.name)
     }
     manifest = {"step": step, "files": files} | ({"world_size": world_size} if rank == 0 else {})
     staged = folder / f".{manifest_name(rank)}.tmp"

@@ -165,15 +165,20 @@ class StreamedBatches:
         return examples
 
 
-def merge_reports(reports: list[dict[str, Counter]], sources: list[str]) -> list[dict]:
-    """Every worker's counts, added up, as `DataReport` dicts in the order of `config.datasets`."""
-    total: dict[str, Counter] = {source: Counter() for source in sources}
+def add_counts(reports: list[dict[str, Counter]]) -> dict[str, Counter]:
+    """Several workers' counts (source -> counts), added up."""
+    total: dict[str, Counter] = {}
     for report in reports:
         for source, counts in report.items():
-            total[source].update(counts)
+            total.setdefault(source, Counter()).update(counts)
+    return total
+
+
+def data_reports(total: dict[str, Counter], sources: list[str]) -> list[dict]:
+    """Added-up counts as `DataReport` dicts in the order of `config.datasets`."""
     merged = []
     for source in sources:
-        counts = total[source]
+        counts = total.get(source, Counter())
         skipped = {k.removeprefix("skipped:"): v for k, v in counts.items() if k.startswith("skipped:")}
         report = data.DataReport(
             source, counts["rows"], counts["kept"], counts["truncated"], Counter(skipped)
