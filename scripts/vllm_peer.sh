@@ -6,7 +6,9 @@
 #
 #   bash scripts/vllm_peer.sh MODEL_DIR [OUT] [CONCURRENCY ...]    # default OUT results/vllm-peer; 1 4 16
 #
-# REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run.
+# REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run; DTYPE
+# (float32, the default, or bfloat16: vLLM's CPU default, which pays on a CPU with AMX) is both servers';
+# STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token).
 #
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
 # of them is loaded at a time. Run `bash scripts/setup.sh` first.
@@ -19,6 +21,7 @@ levels=("${@:-1 4 16}")
 home=$(realpath -m "${MARS_RAY_HOME:-$HOME/.cache/mars-ray}")
 venv=$home/peers/vllm-venv
 port=8200
+dtype=${DTYPE:-float32}
 mkdir -p "$out"
 
 if [ ! -x "$venv/bin/vllm" ] && [ ! -f "$venv/.installed" ]; then
@@ -33,7 +36,7 @@ fi
 # `vllm serve` fails on the package name (vllm-cpu): start the OpenAI server module directly.
 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
   "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
-  --host 127.0.0.1 --port $port --dtype float32 --max-model-len 2048 > "$out/vllm.log" 2>&1 &
+  --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 > "$out/vllm.log" 2>&1 &
 peer=$!
 trap 'kill $peer 2>/dev/null || true; wait $peer 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do  # 2 to 4 minutes of compile and warm-up
@@ -47,7 +50,8 @@ for concurrency in ${levels[*]}; do
   RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.loadtest --model "$model" \
     --concurrency "$concurrency" --requests "${REQUESTS:-$((concurrency > 4 ? 4 * concurrency : 16))}" \
     --rounds "${ROUNDS:-2}" \
-    --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 \
-    --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, fp32)" \
+    --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
+    --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" \
+    --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, $dtype)" \
     --json "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
 done

@@ -506,3 +506,20 @@ def test_tau_one_at_batch_one_is_generate_bit_for_bit_in_bf16():
         ]
         assert result.tokens == tokens
         assert [lp.logprob for lp in result.logprobs] == logprobs
+
+
+@pytest.mark.slow
+def test_compiled_steps_decode_the_eager_tokens():
+    """`compile_steps` runs the cached steps through torch.compile: same tokens, AR and MARS, batched."""
+    from mars_ray.core.compile import compile_steps
+
+    eager = build_tiny("llama", dtype=torch.float32)
+    compiled = build_tiny("llama", dtype=torch.float32)
+    compile_steps(compiled)
+    torch._dynamo.utils.counters.clear()
+    prompts = random_prompts(4, seed=3)
+    for tau, rows in ((1.0, prompts[:1]), (0.5, prompts)):
+        config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=12)
+        expected = [r.tokens for r in decode_cached(eager, rows, MASK_ID, config)]
+        assert [r.tokens for r in decode_cached(compiled, rows, MASK_ID, config)] == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the steps did run compiled

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from mars_ray import cli_args, models
 from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.bench.machine import cpu_name
+from mars_ray.core.compile import compile_steps
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
@@ -396,6 +397,7 @@ class ForwardBenchConfig(BaseModel):
     steps: int = Field(48, ge=1, description="timed steps per window; the windows take turns step by step")
     device: str = Field("cpu", description="torch device")
     dtype: Dtype = Field("auto", description="weights' dtype (auto: as saved)")
+    compile: bool = Field(False, description="torch.compile the cached steps (the warm-up steps compile)")
     output: Path | None = Field(None, description="JSON path")
 
 
@@ -404,38 +406,52 @@ class StepTime:
     batch: int
     window: int
     milliseconds: float  # median over the timed steps
-    ratio: float  # over the smallest window's time at the same batch
+    ratio: float  # over the smallest window's time at the same batch, same forward
+    compiled: bool = False  # torch.compile'd steps (then `eager_ratio` is eager's time over this one's)
+    eager_ratio: float = 1.0
 
 
 @torch.inference_mode()
 def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
+    """Per batch, every window's step timed in turn, step by step; with `compile`, a compiled copy of the
+    model takes its turn beside the eager one, so the compiled speed-up comes from the same run."""
     model, tokenizer = _load(config.model, config)
+    forwards = [(False, model)]
+    if config.compile:
+        compiled, _ = _load(config.model, config)
+        compile_steps(compiled)
+        forwards.append((True, compiled))
     device, vocab = model.device, model.config.vocab_size
     results = []
     for batch in config.batch_sizes:
         caches, steps, real = {}, {}, {}
-        for window in config.windows:  # the same random context for every window
-            torch.manual_seed(0)
-            cache = RaggedCache(model)
-            cache.add_rows(batch)
-            prompt = torch.randint(0, vocab, (batch, config.context), device=device)
-            cache.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), config.context, 1)
-            step = torch.full((batch, window), tokenizer.mask_token_id, device=device)
-            step[:, 0] = prompt[:, -1]
-            caches[window], steps[window] = cache, step
-            real[window] = torch.ones_like(step, dtype=torch.bool)
-        times: dict[int, list[float]] = {w: [] for w in config.windows}
-        for i in range(config.steps + 2):  # two warm-up steps
-            for window in config.windows:
+        for is_compiled, forward_model in forwards:
+            for window in config.windows:  # the same random context for every window
+                torch.manual_seed(0)
+                cache = RaggedCache(forward_model)
+                cache.add_rows(batch)
+                prompt = torch.randint(0, vocab, (batch, config.context), device=device)
+                cache.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), config.context, 1)
+                step = torch.full((batch, window), tokenizer.mask_token_id, device=device)
+                step[:, 0] = prompt[:, -1]
+                key = (is_compiled, window)
+                caches[key], steps[key] = cache, step
+                real[key] = torch.ones_like(step, dtype=torch.bool)
+        times: dict[tuple[bool, int], list[float]] = {key: [] for key in caches}
+        for i in range(config.steps + 2):  # two warm-up steps (where a compiled step compiles)
+            for key, cache in caches.items():
                 _sync(device)
                 start = time.perf_counter()
-                caches[window].forward(steps[window], real[window], 1, window)
+                cache.forward(steps[key], real[key], 1, key[1])
                 _sync(device)
                 if i >= 2:
-                    times[window].append(time.perf_counter() - start)
-        medians = {w: sorted(t)[len(t) // 2] for w, t in times.items()}
-        base = medians[min(config.windows)]
-        results += [StepTime(batch, w, 1e3 * m, m / base) for w, m in medians.items()]
+                    times[key].append(time.perf_counter() - start)
+        medians = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+        smallest = min(config.windows)
+        for (is_compiled, window), median in medians.items():
+            base = medians[(is_compiled, smallest)]
+            eager = medians[(False, window)]
+            results.append(StepTime(batch, window, 1e3 * median, median / base, is_compiled, eager / median))
     report = {
         "config": _config_json(config),
         "machine": _machine(device),
@@ -448,12 +464,17 @@ def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
 def forward_table(config: ForwardBenchConfig, results: Sequence[StepTime]) -> str:
     lines = [
         f"model: {config.model}, dtype {config.dtype}, {config.context} cached tokens; median of "
-        f"{config.steps} steps. `x window 1`: the tokens per forward a window must accept to break even.",
+        f"{config.steps} steps. `x window 1`: the tokens per forward a window must accept to break even; "
+        "`x eager`: eager's time over this step's, same run.",
         "",
-        "| batch | window | ms/forward | x window 1 |",
-        "|---|---|---|---|",
+        "| forward | batch | window | ms/forward | x window 1 | x eager |",
+        "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r.batch} | {r.window} | {r.milliseconds:.2f} | {r.ratio:.2f} |" for r in results]
+    lines += [
+        f"| {'compiled' if r.compiled else 'eager'} | {r.batch} | {r.window} | {r.milliseconds:.2f} | "
+        f"{r.ratio:.2f} | {r.eager_ratio:.2f} |"
+        for r in results
+    ]
     return "\n".join(lines)
 
 

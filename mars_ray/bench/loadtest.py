@@ -175,6 +175,7 @@ def start_server(args: argparse.Namespace) -> str:
         "max_batch_size": max(args.concurrency, 1),
         "max_block_size": max(args.block_size, 16),
         "max_ongoing_requests": max(64, 2 * args.concurrency),
+        "stream_interval_s": args.stream_interval_s,
     }
     serve.run(build_app({"models": [model]}), name="mars-bench", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
@@ -208,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
     parser.add_argument("--torch-threads", type=int, help="default: the replica's whole CPUs, at least 1")
+    parser.add_argument(
+        "--stream-interval-s",
+        type=float,
+        default=0.0,
+        help="the replica's stream_interval_s: after the first text, this long's text is one chunk",
+    )
     parser.add_argument(
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
     )
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{time.strftime('%Y-%m-%d')} · {machine.describe()} · {args.model} · "
         f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
         f"concurrency {args.concurrency}, "
-        f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}"
+        f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}, "
+        f"stream interval {args.stream_interval_s} s"
     )
     print(table(rows))
     if args.json:

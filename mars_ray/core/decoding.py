@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_ray.core.compile import step_forward
 from mars_ray.core.errors import ConfigError
 
 TRAINED_BLOCK_SIZE = "mars_block_size"  # the model config key where training records its B
@@ -412,7 +413,10 @@ class RaggedCache:
         real columns before them; a hole sees only itself, so no softmax row is empty.
         """
         positions = (self.next_position[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(
+        for layer in self._layers():  # a first forward caches views; one layout means one compiled graph
+            layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
+        run = step_forward(self.model) if self._layers() else self.model
+        out = run(
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=self._mask(real),
@@ -522,6 +526,15 @@ class RaggedCache:
         for layer in self._layers():
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if its strides are the row-major ones (even along size-1 dims), else a row-major copy."""
+    expected, stride = [], 1
+    for size in reversed(t.shape):
+        expected.append(stride)
+        stride *= size
+    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
 
 
 def right_align(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
