@@ -413,9 +413,11 @@ class RaggedCache:
         real columns before them; a hole sees only itself, so no softmax row is empty.
         """
         positions = (self.next_position[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
-        for layer in self._layers():  # a first forward caches views; one layout means one compiled graph
-            layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
-        run = step_forward(self.model) if self._layers() else self.model
+        layers = self._layers()
+        run = step_forward(self.model) if layers else self.model
+        if run is not self.model:  # a first forward caches views; one layout means one compiled graph
+            for layer in layers:
+                layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
         out = run(
             input_ids=input_ids,
             position_ids=positions,
