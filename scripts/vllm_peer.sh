@@ -8,7 +8,8 @@
 #
 # REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run; DTYPE
 # (float32, the default, or bfloat16: vLLM's CPU default, which pays on a CPU with AMX) is both servers';
-# STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token).
+# STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token);
+# COMPILE=1 gives the replica compiled decode steps (`compile: true`; it compiles them before serving).
 #
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
 # of them is loaded at a time. Run `bash scripts/setup.sh` first.
@@ -51,7 +52,7 @@ for concurrency in ${levels[*]}; do
     --concurrency "$concurrency" --requests "${REQUESTS:-$((concurrency > 4 ? 4 * concurrency : 16))}" \
     --rounds "${ROUNDS:-2}" \
     --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
-    --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" \
+    --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" ${COMPILE:+--compile} \
     --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, $dtype)" \
     --json "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
 done

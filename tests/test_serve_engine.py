@@ -243,7 +243,7 @@ def test_stats_snapshot_and_request_errors(tiny):
         "window": "block_size",
         "top_p": "top_p",
     }
-    assert stats.finished == {"length": 4} and stats.generated_tokens == 4 + 3 * 8
+    assert stats.finished == {"length": 4} and stats.generated_tokens == 8 + 3 * 8
     assert stats.tokens_per_s > 0 and stats.forwards_per_s > 0 and stats.tokens_per_forward >= 1
     assert 0 < stats.ttft_p50_s <= stats.ttft_p95_s and 0 < stats.itl_p50_s <= stats.itl_p95_s
 
@@ -393,3 +393,37 @@ def test_stream_interval_coalesces_chunks_without_changing_text(tiny):
     assert [t for c in coalesced for t in c.token_ids] == [t for c in per_forward for t in c.token_ids]
     assert len(coalesced) < len(per_forward) / 2  # 40 forwards: a chunk each without the interval
     assert coalesced[-1].completion_tokens == 40 and coalesced[-1].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_compiles_only_while_warming_up():
+    """With `compile`, warm-up compiles every kind of step; then a mixed load (one row and several, AR,
+    MARS and verified windows, rows joining a running batch) compiles nothing more and streams the text
+    the eager engine streams."""
+    compiled = models.load("tiny", dtype=torch.float32)
+    eager = models.load("tiny", dtype=torch.float32)
+    _, tokenizer = eager
+    prompts = prompts_of(tokenizer, 5)
+    params = [
+        SamplingParams(max_tokens=16, block_size=1),
+        SamplingParams(max_tokens=16, tau=0.5, block_size=4),
+        SamplingParams(max_tokens=16, tau=0.5, block_size=4, verify=True),
+        SamplingParams(max_tokens=24, tau=0.7, block_size=3),
+        SamplingParams(max_tokens=12, block_size=1),
+    ]
+
+    async def serve(tiny, compile: bool):
+        model, tokenizer = tiny
+        engine = Engine(model, tokenizer, ModelConfig(model="tiny", compile=compile, max_batch_size=2))
+        await engine.warm_up()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        together = await asyncio.gather(*map(lambda p, q: collect(engine, p, q), prompts, params))
+        alone = await collect(engine, prompts[1], params[1])
+        return [text for text, _ in [*together, alone]], graphs
+
+    torch._dynamo.utils.counters.clear()
+    expected, _ = asyncio.run(serve(eager, compile=False))
+    texts, warmed_up = asyncio.run(serve(compiled, compile=True))
+    assert warmed_up >= 4  # one row or more, a window of one or more: each compiled while warming up
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == warmed_up
+    assert texts == expected

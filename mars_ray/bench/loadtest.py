@@ -176,6 +176,7 @@ def start_server(args: argparse.Namespace) -> str:
         "max_block_size": max(args.block_size, 16),
         "max_ongoing_requests": max(64, 2 * args.concurrency),
         "stream_interval_s": args.stream_interval_s,
+        "compile": args.compile,
     }
     serve.run(build_app({"models": [model]}), name="mars-bench", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="the replica's stream_interval_s: after the first text, this long's text is one chunk",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="the replica's `compile`: torch.compile'd decode steps"
     )
     parser.add_argument(
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
         f"concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}, "
-        f"stream interval {args.stream_interval_s} s"
+        f"stream interval {args.stream_interval_s} s, {'compiled' if args.compile else 'eager'} steps"
     )
     print(table(rows))
     if args.json:

@@ -1,13 +1,14 @@
-"""`torch.compile` for the decoders' cached steps (opt-in; `mars-ray bench forward --compile` measures it).
+"""`torch.compile` for the decoders' cached steps (opt-in: the serving engine's `compile`, `mars-ray bench
+forward --compile`).
 
-Once a model is compiled here, `RaggedCache` runs every step after its first forward (any forward into a
-cache that already holds keys) through one `torch.compile(dynamic=True)` of the model's forward; the first
-forward into an empty cache (a prompt: compute-bound) stays eager. On this project's 2-core CPU a compiled
-SmolLM2-135M step is about 1.2x faster than eager at a fixed kind of step (BENCHMARKS.md), but the serving
-engine does not use it: a ragged batch changes what dynamo guards on (batch and window sizes 1 or more,
-batch sizes it specialises, a mask or none, tensors made inside or outside inference mode), so a short mixed
-decode compiled eleven graphs, each 20 to 60 s on that CPU, several of them mid-run. A static-shape cache
-(one padded batch and length, as gpt-fast does) is what serving compiled would take.
+Once a model is compiled here, `RaggedCache` runs every step into a cache that holds keys to attend through
+one `torch.compile(dynamic=True)` of the model's forward; a prompt into an empty cache, and the side cache's
+prefill chunks, stay eager (compute-bound already). A compiled step always gets a mask and picks its logits
+by an index tensor, its cached keys are row-major with heads and head_dim static, and sizes are never
+unified by value (no duck shapes), so what dynamo tells apart is only whether the batch and the window are
+one or more: four graphs, which the engine compiles while it warms up (a minute or more each for
+SmolLM2-135M on a 2-core CPU). Same tokens as eager in fp32 on the tests' models; in bf16 the fused
+kernels round differently, so batched rows may part from eager ones (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ RECOMPILE_LIMIT = 32  # past it, dynamo runs a new kind of step eagerly
 def compile_steps(model: PreTrainedModel) -> None:
     """From now on every cached decode step of `model` runs compiled (compiled lazily, per kind of step)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch.fx.experimental._config.use_duck_shape = False  # a batch of 4 with a window of 4 is no guard
     setattr(model, COMPILED_STEP, torch.compile(model.forward, dynamic=True))
 
 

@@ -392,9 +392,11 @@ class RaggedCache:
     count real tokens only, so every row computes what it would alone. Rows join empty and leave at once.
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, compiled: bool = True) -> None:
+        """`compiled`: cached steps run `step_forward(model)` (compiled after `compile_steps`)."""
         _check_cacheable(model.config)
         self.model = model
+        self.step = step_forward(model) if compiled else model
         self.device = model.device
         self.kv = DynamicCache(config=model.config)
         self.valid = torch.zeros((0, 0), dtype=torch.bool, device=self.device)  # [rows, T]
@@ -414,14 +416,18 @@ class RaggedCache:
         """
         positions = (self.next_position[:, None] + real.cumsum(dim=1) - 1).clamp(min=0)
         layers = self._layers()
-        run = step_forward(self.model) if layers else self.model
+        # Compiled: a step into keys to attend (a prompt into an empty or all-hole cache is compute-bound).
+        run = self.step if layers and self.valid.shape[1] >= 2 and bool(self.valid.any()) else self.model
+        mask = self._mask(real, always=run is not self.model)
         if run is not self.model:  # a first forward caches views; one layout means one compiled graph
             for layer in layers:
-                layer.keys, layer.values = _row_major(layer.keys), _row_major(layer.values)
+                layer.keys, layer.values = _static_heads(layer.keys), _static_heads(layer.values)
+            width = input_ids.shape[1]
+            logits_to_keep = torch.arange(width - logits_to_keep, width, device=self.device)
         out = run(
             input_ids=input_ids,
             position_ids=positions,
-            attention_mask=self._mask(real),
+            attention_mask=mask,
             cache=self.kv,
             use_cache=True,
             logits_to_keep=logits_to_keep,
@@ -433,14 +439,14 @@ class RaggedCache:
         self.next_position = self.next_position + kept.sum(dim=1)
         return out.logits
 
-    def _mask(self, real: torch.Tensor) -> torch.Tensor | None:
+    def _mask(self, real: torch.Tensor, always: bool = False) -> torch.Tensor | None:
         """The 4D mask for a forward of `real`'s columns, or None where there is no hole anywhere.
 
         Without holes the mask is plain causal; left to the model, it is built the way HF `generate` builds
         it (at batch 1: none, and SDPA's own causal kernel), so a hole-free forward takes the same kernels
         as `generate` and tau = 1 equals it bit for bit in bf16 as well, and runs faster.
         """
-        if bool(real.all()) and bool(self.valid.all()):
+        if not always and bool(real.all()) and bool(self.valid.all()):
             return None
         rows, width = real.shape
         cached = self.valid.shape[1]
@@ -530,13 +536,19 @@ class RaggedCache:
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
 
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` itself if its strides are the row-major ones (even along size-1 dims), else a row-major copy."""
+def _static_heads(t: torch.Tensor) -> torch.Tensor:
+    """Cached keys or values [rows, heads, time, head_dim] as a compiled step wants them: row-major (even
+    along size-1 dims; a first forward caches views), heads and head_dim marked static (so they are never
+    taken for a batch or a width that happens to be the same size)."""
     expected, stride = [], 1
     for size in reversed(t.shape):
         expected.append(stride)
         stride *= size
-    return t if t.stride() == tuple(reversed(expected)) else t.clone(memory_format=torch.contiguous_format)
+    if t.stride() != tuple(reversed(expected)):
+        t = t.clone(memory_format=torch.contiguous_format)
+    torch._dynamo.mark_static(t, 1)
+    torch._dynamo.mark_static(t, 3)
+    return t
 
 
 def right_align(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,19 +592,22 @@ class SlidingDecoder:
         self.uncached: list[list[int]] = []  # per row: its tokens not yet in the cache
         self.joining: list[DecodeState] = []  # added, prompts being cached; not yet in the batch
         self.unprefilled: list[list[int]] = []  # per joining row: its tokens not yet in the side cache
-        self.side = RaggedCache(model)  # the joining rows' keys and values so far
+        # The joining rows' keys and values so far; prefill chunks run eager (compute-bound already).
+        self.side = RaggedCache(model, compiled=False)
 
     @property
     def active(self) -> bool:
         """Rows in the batch or joining it."""
         return bool(self.seqs or self.joining)
 
+    @torch.inference_mode()
     def add(self, seq: DecodeState) -> None:
         """Join the batch once its prompt is cached (at once when the decoder is idle)."""
         self.joining.append(seq)
         self.unprefilled.append(list(seq.prompt) + seq.tokens)
         self.side.add_rows(1)
 
+    @torch.inference_mode()
     def remove(self, seqs: Sequence[DecodeState]) -> None:
         """Leave now, freeing their cache rows (in the batch or still joining)."""
         gone = {id(s) for s in seqs}

@@ -80,6 +80,12 @@ class ModelConfig(BaseModel):
         " None: a joining prompt is cached whole",
     )
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
+    compile: bool = Field(
+        False,
+        description="torch.compile the decode steps (1.1-1.25x a step in bf16 on a 2-core CPU, see"
+        " BENCHMARKS.md); the replica compiles every kind of step while it warms up: minutes on a CPU, less"
+        " once torch's compile cache holds them",
+    )
     torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
     stream_interval_s: float = Field(

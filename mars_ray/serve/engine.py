@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_ray import models
+from mars_ray.core.compile import compile_steps
 from mars_ray.core.decoding import (
     TRAINED_BLOCK_SIZE,
     DecodeConfig,
@@ -226,9 +227,9 @@ class Engine:
             raise ConfigError(
                 "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
             )
-        self.decoder = SlidingDecoder(
-            model, tokenizer.mask_token_id, tokenizer.pad_token_id, config.max_prefill_tokens
-        )
+        if config.compile:
+            compile_steps(model)
+        self.decoder = self._new_decoder()
         self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
@@ -252,6 +253,12 @@ class Engine:
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
         return cls(model, tokenizer, config, metrics)
+
+    def _new_decoder(self) -> SlidingDecoder:
+        tokenizer = self.tokenizer
+        return SlidingDecoder(
+            self.model, tokenizer.mask_token_id, tokenizer.pad_token_id, self.config.max_prefill_tokens
+        )
 
     # The operating point: requests without their own tau / block_size / verify follow it from the next
     # forward.
@@ -389,9 +396,19 @@ class Engine:
         return [first] + [_named(lp, self.tokenizer) for lp in recorded]
 
     async def warm_up(self) -> None:
-        """One short request through the whole path, a MARS window included, before reporting ready."""
-        prompt = self.tokenizer("Hello")["input_ids"] or [self.tokenizer.eos_token_id]
-        async for _ in self.generate(prompt, SamplingParams(max_tokens=4, tau=0.5, block_size=2)):
+        """A short request through the whole path, a MARS window included, before reporting ready. With
+        compiled steps, every kind of step a compiled forward tells apart runs here (one row and more, a
+        window of one and more), so each compiles now and never in the middle of a request."""
+        prompt = self.tokenizer("Hello, how are you?")["input_ids"] or [self.tokenizer.eos_token_id]
+        kinds = [SamplingParams(max_tokens=8, tau=0.5, block_size=2, ignore_eos=True)]
+        if self.config.compile:
+            kinds.append(SamplingParams(max_tokens=8, block_size=1, ignore_eos=True))
+        for rows in (1, 2) if self.config.compile else (1,):
+            for params in kinds:
+                await asyncio.gather(*(self._drain(prompt, params) for _ in range(rows)))
+
+    async def _drain(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        async for _ in self.generate(prompt, params):
             pass
 
     def refresh_gauges(self) -> None:
@@ -558,4 +575,4 @@ class Engine:
                 request.outbox.put_nowait(RuntimeError(f"decoding failed: {error}"))
                 self._end(request)
         self._running.clear()
-        self.decoder = SlidingDecoder(self.model, self.tokenizer.mask_token_id, self.tokenizer.pad_token_id)
+        self.decoder = self._new_decoder()
