@@ -22,9 +22,17 @@ RECOMPILE_LIMIT = 32  # past it, dynamo runs a new kind of step eagerly
 
 def compile_steps(model: PreTrainedModel) -> None:
     """From now on every cached decode step of `model` runs compiled (compiled lazily, per kind of step)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch.fx.experimental._config.use_duck_shape = False  # a batch of 4 with a window of 4 is no guard
-    setattr(model, COMPILED_STEP, torch.compile(model.forward, dynamic=True))
+    compiled = torch.compile(model.forward, dynamic=True)
+
+    def step(*args, **kwargs):
+        # torch's config is per thread: set it in the thread that runs the step (the engine's decode thread).
+        with (
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+            torch.fx.experimental._config.patch(use_duck_shape=False),  # equal sizes are no guard
+        ):
+            return compiled(*args, **kwargs)
+
+    setattr(model, COMPILED_STEP, step)
 
 
 def step_forward(model: PreTrainedModel):
