@@ -440,7 +440,8 @@ class RaggedCache:
         return out.logits
 
     def _mask(self, real: torch.Tensor, always: bool = False) -> torch.Tensor | None:
-        """The 4D mask for a forward of `real`'s columns, or None where there is no hole anywhere.
+        """The 4D mask for a forward of `real`'s columns, or None where there is no hole anywhere (unless
+        `always`: a compiled step always takes a mask, so that a mask or none is not two graphs).
 
         Without holes the mask is plain causal; left to the model, it is built the way HF `generate` builds
         it (at batch 1: none, and SDPA's own causal kernel), so a hole-free forward takes the same kernels
