@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -192,6 +193,51 @@ def test_forwards_run_on_the_given_thread_which_outlives_the_engine(tiny):
     decode_thread.shutdown()
     assert all(last.completion_tokens == 6 for _, last in served)
     assert threads and set(threads) == {ident} and ident != threading.get_ident()
+
+
+def test_the_next_forward_runs_while_the_last_one_is_delivered(tiny):
+    """Turning tokens into text is off the forwards' critical path: each delivery here is held until the
+    forward after the one it delivers has started (a loop that delivers first would wait forever), and
+    the texts, a stop string's included, are the ones each request decodes alone."""
+    _, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 3)
+    params = [SamplingParams(max_tokens=10 + 4 * i, tau=0.5, block_size=3) for i in range(3)]
+
+    async def run():
+        engine = make_engine(tiny, max_batch_size=2)
+        solo = [await collect(engine, p, q) for p, q in zip(prompts, params, strict=True)]
+        stop = solo[1][0][4:7]  # ends the second request mid-stream, with rows still decoding
+        params[1] = dataclasses.replace(params[1], stop=(stop,))
+        step, deliver = engine._step, engine._deliver
+        started, made_by, overlapped = [], {}, []
+
+        def counted():  # in the decode thread
+            started.append(True)
+            outputs = step()
+            made_by[id(outputs)] = len(started)
+            return outputs
+
+        def held(outputs, now):
+            if outputs and engine.decoder.active:  # rows go on: the next forward must start meanwhile
+                deadline = time.monotonic() + 5
+                while len(started) <= made_by[id(outputs)] and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                overlapped.append(len(started) > made_by[id(outputs)])
+            deliver(outputs, now)
+
+        engine._step, engine._deliver = counted, held
+        pairs = zip(prompts, params, strict=True)
+        together = await asyncio.gather(*(collect(engine, p, q) for p, q in pairs))
+        return solo, stop, together, overlapped
+
+    solo, stop, together, overlapped = asyncio.run(run())
+    assert len(overlapped) >= 5 and all(overlapped)
+    assert [text for text, _ in together] == [solo[0][0], solo[1][0][: solo[1][0].index(stop)], solo[2][0]]
+    assert together[1][1].finish_reason == "stop"
+    assert [last.completion_tokens for _, last in (together[0], together[2])] == [
+        solo[0][1].completion_tokens,
+        solo[2][1].completion_tokens,
+    ]
 
 
 def test_requests_follow_the_operating_tau_unless_pinned(tiny):

@@ -1,10 +1,12 @@
 """The replica's engine: continuous multi-token batching around `SlidingDecoder`, streamed per request.
 
-Requests wait in a queue. Before every forward the engine drops cancelled rows, admits waiting requests
-up to `max_batch_size` rows (a new row's prompt is prefilled inside that forward), and moves the requests
-that follow the replica's operating point (tau, window) to its current value. The forward runs in a worker
-thread so the event loop keeps taking requests and streaming text. Each row's accepted tokens become text
-at once; a row that finishes, hits a stop string or is cancelled leaves the batch before the next forward.
+Requests wait in a queue. The forwards run back to back in a worker thread, pipelined as vLLM's async
+scheduling is: once forward N is back, the engine drops cancelled and stopped rows, admits waiting requests
+up to `max_batch_size` rows (a new row's prompt is prefilled within the budget of the next forwards), moves
+the requests that follow the replica's operating point (tau, window) to its current value, and starts
+forward N+1; only then do forward N's tokens become text and go out. So detokenizing, stop strings and
+streaming run on the event loop while the next forward runs, never between two forwards. A row that a stop
+string ends at forward N is computed once more and that forward's tokens are dropped.
 No Ray here: the Serve deployment (`app.py`) wraps it and exports `EngineMetrics`.
 """
 
@@ -160,6 +162,28 @@ class EngineMetrics:
         """The operating tau changed."""
 
 
+@dataclass(frozen=True)
+class RowOutput:
+    """What one forward gave one row, read in the decode thread as the forward ended: the event loop turns
+    it into text while the next forward already changes the row's `DecodeState`."""
+
+    state: DecodeState
+    tokens: list[int]  # accepted by this forward
+    completion_tokens: int  # the row's tokens so far, these included
+    forward_passes: int
+    finish_reason: str | None  # "stop" (a stop token) or "length"; None while it goes on
+    config: DecodeConfig  # the operating point this forward ran at
+    drafted: int  # proposals this forward offered the row (see `EngineMetrics.step`)
+
+    @classmethod
+    def of(cls, state: DecodeState, tokens: list[int]) -> RowOutput:
+        config = state.config
+        drafted = state.drafted[-1] if config.verify else config.window - 1
+        return cls(
+            state, tokens, len(state.tokens), state.forward_passes, state.finish_reason, config, drafted
+        )
+
+
 class _Request:
     """One request inside the engine: its decode state, its text stream and its outbox."""
 
@@ -172,21 +196,26 @@ class _Request:
         self.unsent: list[int] = []  # decoded tokens not yet in a chunk (their text may be held back)
         self.sent = 0  # tokens already in a chunk
 
-    def chunk(self, text: str, tokenizer: PreTrainedTokenizerBase) -> Chunk:
-        """The next chunk: `text` and the tokens decoded since the last chunk."""
+    def chunk(self, text: str, tokenizer: PreTrainedTokenizerBase, output: RowOutput | None = None) -> Chunk:
+        """The next chunk: `text` and the tokens decoded since the last chunk, as of `output` (None: before
+        the first forward)."""
         s = self.state
         reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
         tokens, self.unsent = self.unsent, []
+        config = s.config if output is None else output.config
         # Tokens accepted in the same forward past a stop string were decoded but are not the completion.
-        completion = self.text.stop_tokens if self.text.stopped else len(s.tokens)
-        config = s.config
+        completion = 0 if output is None else output.completion_tokens
+        if self.text.stopped:
+            completion = self.text.stop_tokens
+        forward_passes = 0 if output is None else output.forward_passes
         mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
         logprobs = None
         if config.logprobs is not None:
+            # Only ever appended to (by the decode thread), so the entries up to `completion` are settled.
             logprobs = [_named(lp, tokenizer) for lp in s.logprobs[self.sent : max(self.sent, completion)]]
         self.sent += len(tokens)
         return Chunk(
-            text, len(s.prompt), completion, s.forward_passes, reason, tokens, config.tau, mode, logprobs
+            text, len(s.prompt), completion, forward_passes, reason, tokens, config.tau, mode, logprobs
         )
 
 
@@ -234,6 +263,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
         self._cancelled: list[_Request] = []
+        self._stopped: list[DecodeState] = []  # rows a stop string ended, still in the decoder
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._own_executor = executor is None
@@ -471,29 +501,44 @@ class Engine:
         self._wake.set()
 
     async def _run(self) -> None:
-        """The decode loop: prepare the batch, one forward in the worker thread, hand out the tokens."""
+        """The decode loop, pipelined: forward N+1 starts before forward N's rows are delivered."""
         loop = asyncio.get_running_loop()
+        in_flight: asyncio.Future[list[RowOutput]] | None = None  # the forward in the decode thread
         while True:
             try:
-                self._drop_cancelled()
-                self._admit()
-                self.metrics.load(len(self._waiting), len(self._running))
-                if not self._running:
+                finished = in_flight
+                in_flight = None  # awaited once, even when it fails
+                outputs = [] if finished is None else await finished
+                ended_at = time.monotonic()
+                self._schedule()
+                if self.decoder.active:
+                    in_flight = loop.run_in_executor(self._executor, self._step)
+                self._deliver(outputs, ended_at)
+                if in_flight is None:  # idle until a request arrives
                     self._wake.clear()
                     await self._wake.wait()
-                    continue
-                self._follow_operating_point()
-                stepped = await loop.run_in_executor(self._executor, self.decoder.step)
-                self._deliver(stepped, time.monotonic())
             except Exception as error:  # a failed step fails the requests in the batch, not the replica
                 logger.exception("decode step failed")
                 self._fail_running(error)
 
-    def _drop_cancelled(self) -> None:
-        if not self._cancelled:
+    def _schedule(self) -> None:
+        """Between two forwards: free rows that ended, admit waiting requests, move to the operating point."""
+        self._release()
+        self._admit()
+        self.metrics.load(len(self._waiting), len(self._running))
+        self._follow_operating_point()
+
+    def _step(self) -> list[RowOutput]:
+        """One forward, in the decode thread; what it gave each row is read before the next one starts."""
+        return [RowOutput.of(state, tokens) for state, tokens in self.decoder.step()]
+
+    def _release(self) -> None:
+        """Free the rows of cancelled requests and of those a stop string ended."""
+        if not self._cancelled and not self._stopped:
             return
         gone = {id(r.state) for r in self._cancelled}
         self._waiting = deque(r for r in self._waiting if id(r.state) not in gone)
+        gone.update(id(state) for state in self._stopped)
         leaving = [state for state in [*self.decoder.seqs, *self.decoder.joining] if id(state) in gone]
         if leaving:
             self.decoder.remove(leaving)
@@ -501,9 +546,12 @@ class Engine:
             self._running.pop(id(request.state), None)
             self._end(request)
         self._cancelled.clear()
+        self._stopped.clear()
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_batch_size:
+        # Counts the rows the decoder holds: a request that finished at the last forward is not delivered yet.
+        decoder = self.decoder
+        while self._waiting and len(decoder.seqs) + len(decoder.joining) < self.config.max_batch_size:
             request = self._waiting.popleft()
             self._running[id(request.state)] = request
             self.decoder.add(request.state)
@@ -520,13 +568,15 @@ class Engine:
                     config, tau=tau, block_size=block_size, verify=verify
                 )
 
-    def _deliver(self, stepped: list[tuple[DecodeState, list[int]]], now: float) -> None:
+    def _deliver(self, outputs: list[RowOutput], now: float) -> None:
         """Each row's new tokens become text; finished rows are answered and leave."""
-        stopped = []
-        for state, tokens in stepped:
-            request = self._running[id(state)]
-            if request.finish_reason == "cancelled":
-                continue  # its reader is gone; the row leaves before the next forward
+        delivered = []
+        for output in outputs:
+            request = self._running.get(id(output.state))
+            if request is None or request.finish_reason is not None:
+                continue  # ended by a stop string a forward ago, or cancelled: nobody reads these tokens
+            delivered.append(output)
+            tokens = output.tokens
             if request.last_tokens_at is None:
                 ttft = now - request.arrived
                 self._ttft.append((now, ttft))
@@ -540,27 +590,23 @@ class Engine:
             text = request.text.push(tokens)
             if request.text.stopped:
                 request.finish_reason = "stop"
-                stopped.append(request.state)
-            elif request.state.finished:
-                request.finish_reason = request.state.finish_reason
+                self._stopped.append(request.state)
+            elif output.finish_reason is not None:
+                request.finish_reason = output.finish_reason
                 text += request.text.finish()
             if text or request.finish_reason:
-                request.outbox.put_nowait(request.chunk(text, self.tokenizer))
+                request.outbox.put_nowait(request.chunk(text, self.tokenizer, output))
             if request.finish_reason:
                 self._running.pop(id(request.state))
                 self._end(request)
-        still_batched = [s for s in stopped if any(s is row for row in self.decoder.seqs)]
-        if still_batched:
-            self.decoder.remove(still_batched)
-        if not stepped:  # the step only cached joining prompts
+        if not delivered:  # the step only cached joining prompts
             return
-        accepted = [len(tokens) for _, tokens in stepped]
-        drafted = [s.drafted[-1] if s.config.verify else s.config.window - 1 for s, _ in stepped]
-        self._steps.append((now, len(stepped), sum(accepted)))
+        accepted = [len(output.tokens) for output in delivered]
+        self._steps.append((now, len(delivered), sum(accepted)))
         self._forget_before(now - self.config.stats_window_s)
         self._generated += sum(accepted)
         self._forwards += 1
-        self.metrics.step(accepted, drafted)
+        self.metrics.step(accepted, [output.drafted for output in delivered])
 
     def _end(self, request: _Request) -> None:
         """Count a request that ended (its `finish_reason` set)."""
@@ -575,4 +621,5 @@ class Engine:
                 request.outbox.put_nowait(RuntimeError(f"decoding failed: {error}"))
                 self._end(request)
         self._running.clear()
+        self._stopped.clear()
         self.decoder = self._new_decoder()
