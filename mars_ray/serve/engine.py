@@ -1,12 +1,12 @@
 """The replica's engine: continuous multi-token batching around `SlidingDecoder`, streamed per request.
 
-Requests wait in a queue. The forwards run back to back in a worker thread, pipelined as vLLM's async
-scheduling is: once forward N is back, the engine drops cancelled and stopped rows, admits waiting requests
-up to `max_batch_size` rows (a new row's prompt is prefilled within the budget of the next forwards), moves
-the requests that follow the replica's operating point (tau, window) to its current value, and starts
-forward N+1; only then do forward N's tokens become text and go out. So detokenizing, stop strings and
-streaming run on the event loop while the next forward runs, never between two forwards. A row that a stop
-string ends at forward N is computed once more and that forward's tokens are dropped.
+Requests wait in a queue. The forwards run in a worker thread, pipelined as vLLM's async scheduling is:
+once forward N is back, the engine drops cancelled and stopped rows, admits waiting requests up to
+`max_batch_size` rows (a new row's prompt is prefilled within the budget of the next forwards), moves the
+requests that follow the replica's operating point (tau, window) to its current value, and starts forward
+N+1; only then do forward N's tokens become text and go out. So detokenizing, stop strings and streaming
+run on the event loop while the next forward runs, never between two forwards. A row that a stop string
+ends at forward N is computed once more and that forward's tokens are dropped.
 No Ray here: the Serve deployment (`app.py`) wraps it and exports `EngineMetrics`.
 """
 
@@ -599,7 +599,7 @@ class Engine:
             if request.finish_reason:
                 self._running.pop(id(request.state))
                 self._end(request)
-        if not delivered:  # the step only cached joining prompts
+        if not delivered:  # the step only cached joining prompts, or every row it ran had ended before
             return
         accepted = [len(output.tokens) for output in delivered]
         self._steps.append((now, len(delivered), sum(accepted)))
