@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mars_ray import models
 from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig, bench_prompts, run_bench, run_forward_bench
@@ -118,6 +119,24 @@ def test_bench_forward_times_every_window(tmp_path):
     assert len(json.loads((tmp_path / "f.json").read_text())["steps"]) == 4
     with pytest.raises(ValueError, match="windows"):
         ForwardBenchConfig(model="tiny", windows=(0,))
+    with pytest.raises(ConfigError) as error:  # fp32 weights are never packed
+        run_forward_bench(ForwardBenchConfig(model="tiny", dtype="float32", prepack=True, steps=1))
+    assert error.value.field == "prepack"
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 on this CPU")
+def test_bench_forward_times_packed_weights_beside_eager():
+    config = ForwardBenchConfig(
+        model="tiny", dtype="bfloat16", context=8, windows=(1, 2), batch_sizes=(1,), steps=3, prepack=True
+    )
+    steps = run_forward_bench(config)
+    assert [(s.forward, s.batch, s.window) for s in steps] == [
+        ("eager", 1, 1),
+        ("eager", 1, 2),
+        ("packed", 1, 1),
+        ("packed", 1, 2),
+    ]
+    assert all(s.eager_ratio == 1.0 for s in steps if s.forward == "eager")
 
 
 def test_calibrate_fits_and_stores_slot_temperatures(tmp_path):

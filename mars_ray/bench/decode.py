@@ -39,6 +39,8 @@ from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.bench.machine import cpu_name
 from mars_ray.core.compile import compile_steps
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
+from mars_ray.core.errors import ConfigError
+from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine, SamplingParams
@@ -398,6 +400,10 @@ class ForwardBenchConfig(BaseModel):
     device: str = Field("cpu", description="torch device")
     dtype: Dtype = Field("auto", description="weights' dtype (auto: as saved)")
     compile: bool = Field(False, description="torch.compile the cached steps (the warm-up steps compile)")
+    prepack: bool = Field(
+        False,
+        description="also time the steps with linear weights packed for oneDNN (bf16 on a CPU that has it)",
+    )
     output: Path | None = Field(None, description="JSON path")
 
 
@@ -407,25 +413,35 @@ class StepTime:
     window: int
     milliseconds: float  # median over the timed steps
     ratio: float  # over the smallest window's time at the same batch, same forward
-    compiled: bool = False  # torch.compile'd steps (then `eager_ratio` is eager's time over this one's)
-    eager_ratio: float = 1.0
+    forward: str = "eager"  # eager, packed (prepacked weights), compiled, or packed + compiled
+    eager_ratio: float = 1.0  # eager's time over this one's, same batch and window
 
 
 @torch.inference_mode()
 def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
-    """Per batch, every window's step timed in turn, step by step; with `compile`, a compiled copy of the
-    model takes its turn beside the eager one, so the compiled speed-up comes from the same run."""
+    """Per batch, every window's step timed in turn, step by step; with `prepack` and `compile`, copies of
+    the model with packed weights, compiled steps, and both take their turns beside the eager one, so each
+    speed-up comes from the same run."""
     model, tokenizer = _load(config.model, config)
-    forwards = [(False, model)]
+    forwards = {"eager": model}
+    variants = [("packed", True, False)] if config.prepack else []
     if config.compile:
-        compiled, _ = _load(config.model, config)
-        compile_steps(compiled)
-        forwards.append((True, compiled))
+        variants.append(("compiled", False, True))
+        if config.prepack:
+            variants.append(("packed + compiled", True, True))
+    if config.prepack and not can_prepack(model):
+        raise ConfigError("prepack", "packed weights need bf16 weights on a CPU with native bf16 (oneDNN)")
+    for name, packed, compiled in variants:
+        forwards[name], _ = _load(config.model, config)
+        if packed:
+            prepack_linears(forwards[name])
+        if compiled:
+            compile_steps(forwards[name])
     device, vocab = model.device, model.config.vocab_size
     results = []
     for batch in config.batch_sizes:
         caches, steps, real = {}, {}, {}
-        for is_compiled, forward_model in forwards:
+        for name, forward_model in forwards.items():
             for window in config.windows:  # the same random context for every window
                 torch.manual_seed(0)
                 cache = RaggedCache(forward_model)
@@ -434,10 +450,10 @@ def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
                 cache.forward(prompt, torch.ones_like(prompt, dtype=torch.bool), config.context, 1)
                 step = torch.full((batch, window), tokenizer.mask_token_id, device=device)
                 step[:, 0] = prompt[:, -1]
-                key = (is_compiled, window)
+                key = (name, window)
                 caches[key], steps[key] = cache, step
                 real[key] = torch.ones_like(step, dtype=torch.bool)
-        times: dict[tuple[bool, int], list[float]] = {key: [] for key in caches}
+        times: dict[tuple[str, int], list[float]] = {key: [] for key in caches}
         for i in range(config.steps + 2):  # two warm-up steps (where a compiled step compiles)
             for key, cache in caches.items():
                 _sync(device)
@@ -448,10 +464,10 @@ def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
                     times[key].append(time.perf_counter() - start)
         medians = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
         smallest = min(config.windows)
-        for (is_compiled, window), median in medians.items():
-            base = medians[(is_compiled, smallest)]
-            eager = medians[(False, window)]
-            results.append(StepTime(batch, window, 1e3 * median, median / base, is_compiled, eager / median))
+        for (name, window), median in medians.items():
+            base = medians[(name, smallest)]
+            eager = medians[("eager", window)]
+            results.append(StepTime(batch, window, 1e3 * median, median / base, name, eager / median))
     report = {
         "config": _config_json(config),
         "machine": _machine(device),
@@ -471,7 +487,7 @@ def forward_table(config: ForwardBenchConfig, results: Sequence[StepTime]) -> st
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {'compiled' if r.compiled else 'eager'} | {r.batch} | {r.window} | {r.milliseconds:.2f} | "
+        f"| {r.forward} | {r.batch} | {r.window} | {r.milliseconds:.2f} | "
         f"{r.ratio:.2f} | {r.eager_ratio:.2f} |"
         for r in results
     ]

@@ -86,6 +86,12 @@ class ModelConfig(BaseModel):
         " BENCHMARKS.md); the replica compiles every kind of step while it warms up: minutes on a CPU, less"
         " once torch's compile cache holds them",
     )
+    prepack_weights: bool = Field(
+        True,
+        description="eager steps in bf16 on a CPU with native bf16 (AVX512-BF16, AMX): every linear weight"
+        " is packed once into oneDNN's blocked layout instead of at each call (1.14-1.2x a SmolLM2 step,"
+        " see BENCHMARKS.md); with `compile`, or elsewhere, it does nothing",
+    )
     torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
     stream_interval_s: float = Field(

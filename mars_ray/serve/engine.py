@@ -36,6 +36,7 @@ from mars_ray.core.decoding import (
     TokenLogprob,
 )
 from mars_ray.core.errors import ConfigError
+from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.text import TextStream
 
@@ -258,6 +259,8 @@ class Engine:
             )
         if config.compile:
             compile_steps(model)
+        elif config.prepack_weights and can_prepack(model):  # inductor cannot lower packed weights
+            prepack_linears(model)
         self.decoder = self._new_decoder()
         self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
         self._waiting: deque[_Request] = deque()

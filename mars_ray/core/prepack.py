@@ -1,0 +1,57 @@
+"""Linear weights packed once for oneDNN: what a served bf16 model with eager steps runs on a CPU (the
+engine's `prepack_weights`; inductor cannot lower these packed layers, so compiled steps keep plain ones).
+
+On a CPU a bf16 `nn.Linear` hands oneDNN a plain row-major weight at every call, which oneDNN reorders
+into its blocked layout before it multiplies; packing each weight once, as inductor's freezing does for a
+compiled graph, halves a SmolLM2 projection at 1 to 16 rows and takes 1.14-1.2x off its step
+(BENCHMARKS.md), with the stock logits bit for bit. The packed layers are for
+decoding only: they hold no trainable parameter, and a model with them is not saved. The output
+embedding gets its own packed copy; the input embedding keeps the tied weight.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+BATCH_HINT = 16  # rows oneDNN picks its blocking for; any batch runs, this one best
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear`'s product with its weight already in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def can_prepack(model: nn.Module) -> bool:
+    """bf16 weights on a CPU whose oneDNN runs bf16 natively (AVX512-BF16 or AMX)."""
+    weight = next(model.parameters())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+@torch.no_grad()
+def prepack_linears(model: nn.Module) -> int:
+    """Replace every bf16 `nn.Linear` of `model` by a `PackedLinear`; return how many."""
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
+                setattr(parent, name, PackedLinear(child))
+                packed += 1
+    return packed
