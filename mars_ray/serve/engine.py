@@ -226,6 +226,16 @@ def _named(logprob: TokenLogprob, tokenizer: PreTrainedTokenizerBase) -> Logprob
     return Logprob(tokenizer.decode([logprob.token]), logprob.logprob, top)
 
 
+def _decode_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="mars-decode")
+
+
+def _load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    torch.set_num_threads(config.torch_threads or max(1, int(config.num_cpus)))
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    return models.load(config.model, dtype=dtype, device=config.device)
+
+
 def _percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
@@ -257,10 +267,12 @@ class Engine:
             raise ConfigError(
                 "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
             )
+        self._own_executor = executor is None
+        self._executor = executor or _decode_thread()
         if config.compile:
             compile_steps(model)
         elif config.prepack_weights and can_prepack(model):  # inductor cannot lower packed weights
-            prepack_linears(model)
+            self._executor.submit(prepack_linears, model).result()  # where the forwards will run
         self.decoder = self._new_decoder()
         self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
         self._waiting: deque[_Request] = deque()
@@ -269,8 +281,6 @@ class Engine:
         self._stopped: list[DecodeState] = []  # rows a stop string ended, still in the decoder
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._own_executor = executor is None
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="mars-decode")
         self._started = time.monotonic()
         self._steps: deque[tuple[float, int, int]] = deque()  # (time, rows, tokens) within the window
         self._ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # the most recent, within the window
@@ -281,11 +291,14 @@ class Engine:
 
     @classmethod
     def load(cls, config: ModelConfig, metrics: EngineMetrics | None = None) -> Engine:
-        """Load the model through the same loader as training, with the replica's thread count."""
-        torch.set_num_threads(config.torch_threads or max(1, int(config.num_cpus)))
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        model, tokenizer = models.load(config.model, dtype=dtype, device=config.device)
-        return cls(model, tokenizer, config, metrics)
+        """Load the model through the same loader as training, with the replica's thread count, in the
+        thread that will run its forwards: a thread that is not the first to run torch's parallel work
+        pays for oneDNN's small bf16 products (packed weights: 0.67x there, BENCHMARKS.md)."""
+        decode_thread = _decode_thread()
+        model, tokenizer = decode_thread.submit(_load_model, config).result()
+        engine = cls(model, tokenizer, config, metrics, decode_thread)
+        engine._own_executor = True  # made for this engine: it shuts down with it
+        return engine
 
     def _new_decoder(self) -> SlidingDecoder:
         tokenizer = self.tokenizer
