@@ -282,6 +282,7 @@ def run_bench(config: BenchConfig) -> BenchReport:
             max_block_size=decode.block_size,
             max_batch_size=batch_size,
             max_ongoing_requests=max(batch_size, 64),
+            prepack_weights=False,  # it shares the other methods' model: packing it would change theirs
         )
         params = SamplingParams(max_tokens=config.max_new_tokens)
 
