@@ -5,13 +5,12 @@ A Serve app of its own on 127.0.0.1 (the tiny preset) with an API key and one al
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from test_serve_app import free_port
+from serving import local_app
 
 pytestmark = pytest.mark.slow
 
@@ -21,22 +20,11 @@ ALLOWED = "http://allowed.example"
 
 @pytest.fixture(scope="module")
 def server():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
-    from ray import serve
 
-    from mars_ray.serve.app import build_app
-
-    port = free_port(8133)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(
-        {"models": [{"model": "tiny", "num_cpus": 0.5}], "api_key": KEY, "cors_origins": [ALLOWED]}
-    )
-    serve.run(app, name="mars", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", ray.get_runtime_context().get_node_id()
-    serve.shutdown()
-    ray.shutdown()
+    app = {"models": [{"model": "tiny", "num_cpus": 0.5}], "api_key": KEY, "cors_origins": [ALLOWED]}
+    with local_app(app, 8133) as url:
+        yield url, ray.get_runtime_context().get_node_id()
 
 
 def test_every_v1_route_needs_the_key(server):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import openai
 import psutil
 import pytest
 import torch
+from serving import free_port, local_app
 
 from mars_ray import models
 from mars_ray.data import chat_prompt_ids
@@ -34,44 +34,16 @@ pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "Count from 3 to 9."}]
 
 
-def free_port(start: int) -> int:
-    for port in range(start, start + 50):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
 def server():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from mars_ray.serve.app import build_app
-
-    port = free_port(8123)
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=free_port(9471),  # the node's Prometheus endpoint (test_metrics_...)
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"max_batch_size": 1, "max_ongoing_requests": 1, "max_queued_requests": 1, "retry_after_s": 1}
-    app = build_app(
-        {
-            "models": [
-                {"model": "tiny", "num_cpus": 0.5},
-                {"model": "tiny", "name": "tiny-small", "num_cpus": 0.25, **small},
-            ]
-        }
-    )
-    serve.run(app, name="mars", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    models = [
+        {"model": "tiny", "num_cpus": 0.5},
+        {"model": "tiny", "name": "tiny-small", "num_cpus": 0.25, **small},
+    ]
+    # The node's Prometheus endpoint on a port of its own (test_metrics_...).
+    with local_app({"models": models}, 8123, _metrics_export_port=free_port(9471)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

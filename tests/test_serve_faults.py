@@ -6,24 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from serving import local_app
 
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Count from 3 to 9."}]
-
-
-def free_port(start: int) -> int:
-    for port in range(start, start + 50):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    raise RuntimeError("no free port")
 
 
 def app_args(**model) -> dict:
@@ -34,19 +26,8 @@ def app_args(**model) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from mars_ray.serve.app import build_app
-
-    port = free_port(8170)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app_args()), name="mars", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_app(app_args(), 8170) as url:
+        yield url
 
 
 def replica_pids(url: str) -> set[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
@@ -18,6 +17,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from serving import local_app
 
 from mars_ray import models
 from mars_ray.data import chat_prompt_ids
@@ -30,30 +30,11 @@ MAX_TOKENS = 24
 PROMPTS = [[{"role": "user", "content": f"Count from {i} to {i + 7}."}] for i in range(12)]
 
 
-def free_port(start: int) -> int:
-    for port in range(start, start + 50):
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) != 0:
-                return port
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
 def server():
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    import ray
-    from ray import serve
-
-    from mars_ray.serve.app import build_app
-
-    port = free_port(8190)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     app = {"models": [{"model": "tiny", "num_cpus": 1, "max_batch_size": 8, "max_queued_requests": 64}]}
-    serve.run(build_app(app), name="mars", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_app(app, 8190) as url:
+        yield url
 
 
 def greedy_replies() -> list[str]:
