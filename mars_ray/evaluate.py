@@ -267,15 +267,19 @@ def curve_point(
     answers: list[str] | None,
     tau: float,
 ) -> dict:
-    """One point of a learning curve, per source: tokens per forward at `tau` (raw confidences), its
-    agreement (exact, similarity) with the model's own tau = 1 reply, and of both with the base model's
-    reply (`reference`); for tasks, exact-match accuracy at tau = 1 and at `tau`."""
+    """One point of a learning curve, per source: tokens per forward at `tau` (raw confidences), lossy and
+    verified; the lossy text's agreement (exact, similarity) with the model's own tau = 1 reply, and of
+    both with the base model's reply (`reference`); for tasks, exact-match accuracy at tau = 1 and at
+    `tau`. `verified_exact` is the share of verified replies equal to the tau = 1 reply (always 1)."""
     point = {}
     for source, source_prompts in prompts.items():
         greedy = under_test.decode(source_prompts, 1.0, "raw")
         fast = under_test.decode(source_prompts, tau, "raw")
+        verified = under_test.decode(source_prompts, tau, "raw", "verify")
         point[source] = {
             "tokens_per_forward": fast.tokens_per_forward,
+            "verified_tokens_per_forward": verified.tokens_per_forward,
+            "verified_exact": agreement(verified.texts, greedy.texts)[0],
             "acceptance": acceptance_rates(fast.results, under_test.base.block_size),
             "self": agreement(fast.texts, greedy.texts),
             "base_greedy": agreement(greedy.texts, reference[source]),

@@ -3,8 +3,9 @@ held-out prompts, against the training examples each checkpoint had seen. Prints
 
     .venv/bin/python scripts/learning_curve.py --run RUN --baseline smollm2-135m --output curve.json
 
-Points: the base model (0 examples) and every checkpoint the run kept (`keep_checkpoints`; the last one is
-the run's `final/`). The checkpoints are uncalibrated, so every point reads raw confidences.
+Points: the base model (0 examples) and every checkpoint the run kept (`keep_checkpoints`), or only the
+optimizer steps `--steps` names (a run still training: the points it has so far). The checkpoints are
+uncalibrated, so every point reads raw confidences. Tokens per forward are read lossy and verified.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--tasks-limit", type=int, default=100)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, nargs="+", help="only these checkpoints (optimizer steps)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
@@ -71,9 +73,13 @@ def main() -> None:
         s: [chat_prompt_ids(base.tokenizer, r["messages"][:-1]) for r in rows] for s, rows in sets.items()
     }
     reference = {s: base.decode(p, 1.0, "raw").texts for s, p in prompts.items()}
-    points = [(0, args.baseline)] + [
-        (step * train.global_batch, str(folder)) for step, folder in checkpoints(args.run, args.stage)
-    ]
+    kept = checkpoints(args.run, args.stage)
+    if args.steps:
+        missing = sorted(set(args.steps) - {step for step, _ in kept})
+        if missing:
+            parser.error(f"--steps: no complete checkpoint for step(s) {missing} in {args.run / args.stage}")
+        kept = [(step, folder) for step, folder in kept if step in args.steps]
+    points = [(0, args.baseline)] + [(step * train.global_batch, str(folder)) for step, folder in kept]
     answers = [r["answer"] for r in sets["tasks"]] if "tasks" in sets else None
     rows = []
     for examples, path in points:
@@ -83,17 +89,15 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     t = args.tau
-    print(
-        f"\n| examples seen | source | tok/fwd at tau {t} | = own tau 1 % (sim) | tau 1 = base % (sim) | ",
-        end="",
-    )
-    print(f"tau {t} = base % (sim) |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| examples seen | source | tok/fwd at tau {t} | verified tok/fwd ", end="")
+    print(f"| = own tau 1 % (sim) | tau 1 = base % (sim) | tau {t} = base % (sim) |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         for source in prompts:
             r = row[source]
             cells = [f"{100 * r[k][0]:.1f} ({100 * r[k][1]:.1f})" for k in ("self", "base_greedy", "base")]
-            head = f"| {row['examples']} | {source} | {r['tokens_per_forward']:.2f} | "
+            rates = f"{r['tokens_per_forward']:.2f} | {r['verified_tokens_per_forward']:.2f}"
+            head = f"| {row['examples']} | {source} | {rates} | "
             print(head + " | ".join(cells) + " |")
     if args.output:
         args.output.write_text(json.dumps({"tau": args.tau, "points": rows}, indent=2))
