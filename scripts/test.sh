@@ -4,10 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-# A module that starts Ray inside the test process gets an interpreter of its own: a second in-process
-# cluster inherits process-wide state from the first (Serve's handle router, Train's controller
-# bookkeeping) and fails in ways neither module does alone.
-own_process=$(grep -l "ray.init(" tests/test_*.py)
+# A module that starts Ray inside the test process (itself, or through tests/serving.py's local_app) gets
+# an interpreter of its own: a second in-process cluster inherits process-wide state from the first
+# (Serve's handle router, Train's controller bookkeeping) and fails in ways neither module does alone.
+own_process=$(grep -lE "ray\.init\(|local_app\(" tests/test_*.py)
 ignored=()
 for module in $own_process; do ignored+=("--ignore=$module"); done
 .venv/bin/python -m pytest -m "slow or not slow" "${ignored[@]}" "$@"
