@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("stages: the quickstart evaluates the mars stage, keep it")
     import ray  # Ray: imported only by the commands that use it
 
-    from mars_ray.train.run import run_training
+    from mars_ray.train.run import run_training, worker_runtime_env
 
-    if not ray.is_initialized():
-        ray.init(address="local")  # a cluster of its own: the demo promises 2 workers on this machine
+    if not ray.is_initialized():  # a cluster of its own: the demo promises 2 workers on this machine
+        ray.init(address="local", runtime_env=worker_runtime_env())
     finals = run_training(config)
     taus = [1.0, 0.9, 0.8]
     report = evaluate(
