@@ -3,7 +3,7 @@
 # distilled replies (configs/smollm2-cpu.yaml), calibrated, then measured against the untouched instruct
 # model. Every step skips what is already done, so rerunning the same command resumes where it stopped.
 #
-#   bash scripts/real_model.sh              # about 3.5 hours on 2 CPU cores (distill 15 min, train 2.3 h)
+#   bash scripts/real_model.sh              # about 3.5 hours on 2 CPU cores (distill 12 min, train 2.4 h)
 #
 # Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final and the reports beside it in
 # $MARS_RAY_HOME/runs/smollm2-cpu/reports/. Run `bash scripts/setup.sh` first.
