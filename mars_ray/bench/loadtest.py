@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
     )
-    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--output", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default
 
@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         f"stream interval {args.stream_interval_s} s, {'compiled' if args.compile else 'eager'} steps"
     )
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as out:
+    if args.output:
+        with open(args.output, "w") as out:
             json.dump(rows, out, indent=2)
 
 
