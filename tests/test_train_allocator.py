@@ -8,8 +8,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+from test_train_job import kill_cluster
 
 from mars_ray.train.run import worker_runtime_env
 
@@ -39,7 +41,8 @@ def test_a_started_cluster_preloads_jemalloc_in_its_workers():
         driver = subprocess.run(
             [sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=180
         )
-    finally:
+    finally:  # a driver that timed out leaves its cluster behind
+        kill_cluster(Path(temp_dir))
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert driver.returncode == 0, driver.stderr[-3000:]
     assert "worker allocator: jemalloc" in driver.stdout

@@ -182,7 +182,7 @@ def fit_stage(
 
 
 def worker_runtime_env() -> dict:
-    """The runtime env of a cluster this driver starts: Ray's own jemalloc preloaded in every worker.
+    """The runtime env of the training driver's Ray job: Ray's own jemalloc preloaded in every worker.
 
     Under glibc malloc the training worker's heap fragments step after step on a CPU: its resident memory
     grows and each step slows (BENCHMARKS.md, "jemalloc in the training workers"). Ray bundles jemalloc for
@@ -202,13 +202,13 @@ def start_ray(config: TrainConfig) -> None:
         return
     runtime_env = worker_runtime_env()
     needed = config.num_workers * config.cpus_per_worker + 1
-    if not config.streaming or (os.cpu_count() or 1) >= needed:
-        ray.init(runtime_env=runtime_env)
-        return
-    try:
-        ray.init(num_cpus=needed, runtime_env=runtime_env)
-    except ValueError:  # Ray refuses num_cpus when it joins a running cluster, which has its own CPUs
-        ray.init(runtime_env=runtime_env)
+    if config.streaming and (os.cpu_count() or 1) < needed:
+        try:
+            ray.init(num_cpus=needed, runtime_env=runtime_env)
+            return
+        except ValueError:  # Ray refuses num_cpus when it joins a running cluster, which has its own CPUs
+            pass
+    ray.init(runtime_env=runtime_env)
 
 
 def run_training(config: TrainConfig) -> dict[Stage, Path]:
