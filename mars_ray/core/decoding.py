@@ -428,7 +428,7 @@ class RaggedCache:
             input_ids=input_ids,
             position_ids=positions,
             attention_mask=mask,
-            cache=self.kv,
+            past_key_values=self.kv,  # `cache` from transformers 5.24; vLLM pins 5.19
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )

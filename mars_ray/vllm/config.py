@@ -1,0 +1,28 @@
+"""What a MARS checkpoint asks of vLLM: read from the checkpoint, never repeated by the user."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mars_ray.core.decoding import DEFAULT_BLOCK_SIZE, TRAINED_BLOCK_SIZE
+from mars_ray.core.errors import ConfigError
+
+PROPOSER = "mars_ray.vllm.proposer.MarsProposer"
+
+
+def trained_block_size(model: str | Path) -> int:
+    """The B a checkpoint was trained with (`mars_block_size` in its config.json)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ConfigError("model", f"{model}: no config.json (a local MARS checkpoint folder is needed)")
+    return int(json.loads(config.read_text()).get(TRAINED_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+
+
+def speculative_config(model: str | Path) -> dict:
+    """vLLM's `speculative_config` for MARS on `model`: room for B - 1 carried proposals and B - 1 masks
+    in each forward, so that a request whose proposals all hold gets its next ones from the same forward."""
+    block_size = trained_block_size(model)
+    if block_size < 2:
+        raise ConfigError("model", f"{model} was trained with B = {block_size}: nothing to draft")
+    return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * (block_size - 1)}

@@ -1,0 +1,66 @@
+"""A request's MARS settings on vLLM: `tau`, `verify` and `block_size`, as on the native engine.
+
+They arrive as the request's `extra_args` (the OpenAI API's `vllm_xargs`); a request without them runs
+verified at `DEFAULT_TAU`. They are checked by `DecodeConfig`, the one home of their ranges. The worker
+cannot answer a client, so a value that does not pass falls back to plain AR (always exact) and is logged:
+the serving layer in front of vLLM checks the fields first and answers a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mars_ray.core.decoding import DecodeConfig
+from mars_ray.core.errors import ConfigError
+
+DEFAULT_TAU = 0.9
+FIELDS = ("tau", "verify", "block_size")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """How one request drafts: `window` slots per forward (1: no drafting), lossless or relaxed."""
+
+    tau: float
+    verify: bool
+    window: int
+    greedy: bool
+
+    @property
+    def mode(self) -> str:
+        return "ar" if self.window == 1 else "verify" if self.verify else "mars"
+
+    @property
+    def relaxed(self) -> bool:
+        """The paper's lossy trade: a carried proposal confident to tau is accepted even where the
+        target disagrees. Sampled requests keep vLLM's own rule (their distribution is the target's)."""
+        return self.window > 1 and not self.verify and self.greedy
+
+
+def check(extra_args: Mapping | None, block_size: int) -> DecodeConfig:
+    """The request's fields as a `DecodeConfig`; raises `ConfigError` naming the field."""
+    extra = dict(extra_args or {})
+    fields = {"tau": extra.get("tau", DEFAULT_TAU), "verify": extra.get("verify", True)}
+    fields["block_size"] = extra.get("block_size", block_size)
+    for name, value in fields.items():
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if (name == "verify") != isinstance(value, bool) or (name != "verify" and not numeric):
+            raise ConfigError(name, f"invalid value {value!r}")
+    if fields["block_size"] != int(fields["block_size"]) or fields["block_size"] > block_size:
+        raise ConfigError("block_size", f"{fields['block_size']!r}: at most the trained B = {block_size}")
+    fields["block_size"] = int(fields["block_size"])
+    return DecodeConfig(**fields)
+
+
+def settings_of(extra_args: Mapping | None, block_size: int, greedy: bool) -> DraftSettings:
+    """What the worker runs for a request; AR (exact) where its fields do not pass `check`."""
+    try:
+        config = check(extra_args, block_size)
+    except ConfigError as error:
+        log.warning("MARS request fields refused (%s): decoding it as plain AR", error)
+        return DraftSettings(tau=1.0, verify=True, window=1, greedy=greedy)
+    return DraftSettings(tau=config.tau, verify=config.verify, window=config.window, greedy=greedy)
