@@ -14,9 +14,10 @@ RUNTIME = ("core", "serve", "train")
 BENCH = "mars_ray.bench"
 
 
-def bench_imports(source: str, module: str) -> list[str]:
-    """The imports of `mars_ray.bench` (or anything in it) in `source`, the text of `module`: every
-    `import`/`from ... import` node anywhere in the tree, relative ones resolved against `module`."""
+def bench_imports(source: str, module: str, target: str = BENCH) -> list[str]:
+    """The imports of `target` (default `mars_ray.bench`, or anything in it) in `source`, the text of
+    `module`: every `import`/`from ... import` node anywhere in the tree, relative ones resolved against
+    `module`."""
     package = module.split(".")[:-1]
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -29,7 +30,7 @@ def bench_imports(source: str, module: str) -> list[str]:
         else:
             continue
         found += [
-            f"line {node.lineno}: {name}" for name in names if name == BENCH or name.startswith(BENCH + ".")
+            f"line {node.lineno}: {name}" for name in names if name == target or name.startswith(target + ".")
         ]
     return found
 
@@ -62,3 +63,24 @@ def test_the_runtime_never_imports_the_bench():
         if found := bench_imports(path.read_text(), module):
             offenders[str(path.relative_to(PACKAGE.parent))] = found
     assert not offenders, f"the runtime imports the benchmarks: {offenders}"
+
+
+# The edges stay at the edges: the core is torch + transformers only; the vLLM plugin, loaded inside vLLM's
+# worker processes, brings neither Ray nor the training or serving code.
+EDGES = [
+    ("core", ["ray", "vllm", "mars_ray.serve", "mars_ray.train", "mars_ray.vllm"]),
+    ("vllm", ["ray", "mars_ray.serve", "mars_ray.train", "mars_ray.bench"]),
+]
+
+
+@pytest.mark.parametrize(("part", "forbidden"), EDGES)
+def test_each_edge_imports_only_what_it_may(part, forbidden):
+    files = sorted((PACKAGE / part).rglob("*.py"))
+    assert files
+    offenders = {}
+    for path in files:
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found = [hit for target in forbidden for hit in bench_imports(path.read_text(), module, target)]
+        if found:
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert not offenders, f"{part} imports what it must not: {offenders}"
