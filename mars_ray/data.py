@@ -7,8 +7,9 @@ Sources that ship with the project, kept apart in every report:
   prompt with no reply: prompts for `mars-ray distill`, which writes the replies.
 - `tasks`: instructions with verifiable answers that this module generates (counting, sequences,
   copying, spelling, small sums), for exact-match accuracy. Not real user data.
-Each has deterministic splits by a hash of the prompt: `heldout` (10%: evaluation), `calibration` (5%:
-fitting decoding knobs such as confidence temperatures) and `train` (the rest), which never meet.
+Each has deterministic splits by a hash: `heldout` (10%: evaluation), `calibration` (5%: fitting decoding
+knobs such as confidence temperatures) and `train` (the rest), which never meet. Dialogs are split by their
+prompt; a task by its content (kind and answer), since one task has several wordings.
 
 A row may carry `complete: false` (a distilled reply cut at its token budget): its chat is then not
 closed, so training never learns to end a reply where the budget happened to cut it.
@@ -142,12 +143,17 @@ def _task(rng: random.Random) -> tuple[str, str, str]:
 
 
 def verifiable_tasks(split: Split = "train", count: int = 4000, seed: int = 0) -> list[dict]:
-    """`count` generated chats of `split` (deduplicated by prompt), each with its `answer` and `task` kind."""
+    """`count` generated chats of `split` (deduplicated by prompt), each with its `answer` and `task` kind.
+
+    A task's split is that of its content, not of its wording: "Count from 13 to 18." and "List the numbers
+    from 13 to 18." are one task, so they are never in different splits. Within a kind the answer names the
+    task's arguments, so kind and answer are the content.
+    """
     rng = random.Random(f"{seed}-{split}")
     rows, seen = [], set()
     while len(rows) < count:
         kind, prompt, answer = _task(rng)
-        if prompt in seen or _split_of(prompt) != split:
+        if prompt in seen or _split_of(f"{kind}\n{answer}") != split:
             continue
         seen.add(prompt)
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
@@ -253,12 +259,14 @@ def _malformed(messages) -> str | None:
 
 
 def tokenize_chat(tokenizer, messages, max_length: int, complete: bool = True) -> Example | str:
-    """One whole chat as an `Example` supervising only its last (assistant) turn, or why it is skipped.
+    """One chat as an `Example` supervising only its last (assistant) turn, or why it is skipped.
 
     The prompt is the template over `messages[:-1]` with the generation prompt; it must be a prefix of the
-    whole chat. A chat whose prompt alone fills `max_length` is skipped (nothing would be supervised).
-    `complete=False`: the last turn was cut short, so the template's closing tokens after it (ChatML:
-    `<|im_end|>` and a newline) are left out.
+    whole chat. A chat whose prompt alone fills `max_length` is skipped (nothing would be supervised); a
+    longer one keeps its first `max_length` tokens, so a long answer loses its tail and its EOS (the
+    reference code does the same). `complete=False`: the last turn was cut short, so the template's closing
+    tokens after it (ChatML: `<|im_end|>` and a newline) are left out. Either cut gives an example with
+    `complete=False`, which training never teaches to end.
     """
     problem = _malformed(messages)
     if problem:
@@ -276,18 +284,16 @@ def tokenize_chat(tokenizer, messages, max_length: int, complete: bool = True) -
         return "prompt not a prefix of the chat"
     if len(prompt) >= max_length:
         return "prompt fills max_length"
-    return Example(ids, [IGNORE] * len(prompt) + ids[len(prompt) :])
+    labels = [IGNORE] * len(prompt) + ids[len(prompt) :]
+    return Example(ids[:max_length], labels[:max_length], complete and len(ids) <= max_length)
 
 
 def tokenize_chats(
     rows: datasets.Dataset, tokenizer, max_length: int, source: str
 ) -> tuple[list[Example], DataReport]:
-    """Tokenize every row of one source, counting what is kept, cut and skipped (never silently).
-
-    Kept chats longer than `max_length` keep their first `max_length` tokens, so a long answer loses its
-    tail and its EOS (the reference code does the same); a row with `complete: false` (a reply cut at its
-    budget) is counted as truncated too.
-    """
+    """Tokenize every row of one source (`tokenize_chat`), counting what is kept, cut and skipped (never
+    silently): a row cut at `max_length` or with `complete: false` (a reply cut at its budget) counts as
+    truncated."""
     report = DataReport(source)
     examples = []
     completes = rows["complete"] if "complete" in rows.column_names else [True] * len(rows)
@@ -298,8 +304,6 @@ def tokenize_chats(
             report.skipped[result] += 1
             continue
         report.kept += 1
-        if len(result.input_ids) > max_length or complete is False:
-            report.truncated += 1
-            result = Example(result.input_ids[:max_length], result.labels[:max_length])
+        report.truncated += not result.complete
         examples.append(result)
     return examples, report

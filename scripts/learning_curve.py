@@ -28,7 +28,7 @@ def checkpoints(run: Path, stage: str) -> list[tuple[int, Path]]:
     """(optimizer step, folder) of every kept checkpoint of the stage, then its final folder."""
     found = []
     for folder in (run / stage).glob("checkpoint_*"):
-        match = re.fullmatch(r"checkpoint_(\d+)", folder.name)
+        match = re.fullmatch(r"checkpoint_(\d+)(?:\.\d+)?", folder.name)  # .1: redone after a refused one
         if not match:
             continue
         try:

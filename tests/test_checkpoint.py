@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import ray.train
 import torch
 from safetensors.torch import load_file
 
 from mars_ray import models
+from mars_ray.train.loop import checkpoint_name, newest_whole_checkpoint
 from mars_ray.train.steps import (
     MANIFEST,
     TRAINER_STATE,
@@ -158,3 +160,33 @@ def test_a_sharded_checkpoint_needs_every_ranks_manifest(tmp_path):
     shutil.copy(tmp_path / "rank1" / "checkpoint.rank1.json", merged)
     with pytest.raises(IncompleteCheckpoint, match="shards/__2_0.distcp differs"):
         verify_checkpoint(merged)
+
+
+def test_a_refused_newest_checkpoint_falls_back_to_the_previous_kept_one(whole, tmp_path):
+    """What a worker group resumes from: Ray Train's latest checkpoint if it verifies, else the newest older
+    one kept beside it; the steps it redoes are saved beside the refused folders, never into them (Ray Train
+    deletes a refused one's folder when it prunes it). With none whole, the latest's refusal is raised."""
+    kept = []
+    for step in (3, 6, 9):
+        kept.append(tmp_path / f"checkpoint_{step:06d}")
+        shutil.copytree(whole, kept[-1])
+        write_manifest(kept[-1], step)
+    (tmp_path / "final").mkdir()  # not a checkpoint
+    latest = ray.train.Checkpoint(str(kept[-1]))
+    with newest_whole_checkpoint(latest) as (folder, refused):
+        assert folder == kept[-1] and refused == {}
+    for damaged in (kept[2], kept[1]):
+        (damaged / TRAINER_STATE).write_bytes(b"cut")
+    with newest_whole_checkpoint(latest) as (folder, refused):
+        assert folder == kept[0]
+        assert list(refused) == ["checkpoint_000009", "checkpoint_000006"]
+        assert refused["checkpoint_000009"].path == TRAINER_STATE
+    assert checkpoint_name(6, refused) == "checkpoint_000006.1"
+    assert checkpoint_name(12, refused) == "checkpoint_000012"
+    assert checkpoint_name(6, [*refused, "checkpoint_000006.1"]) == "checkpoint_000006.2"
+    (kept[0] / MANIFEST).unlink()
+    with pytest.raises(IncompleteCheckpoint) as error, newest_whole_checkpoint(latest):
+        pass
+    assert error.value.folder == kept[2]
+    with newest_whole_checkpoint(None) as nothing:
+        assert nothing == (None, {})

@@ -282,3 +282,33 @@ def test_flex_block_mask_equals_dense():
         want = ScoredLM(dense)(**a.model_inputs())
         got = ScoredLM(flex)(**b.model_inputs())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_eos_is_supervised_only_after_a_complete_reply():
+    """A reply cut short (a distilled row marked `complete: false`, or one cut at `max_length`) is not
+    extended with supervised EOS: that would teach the model to stop where the text was cut."""
+    whole = example(3, 6, 0)  # 9 tokens: 3 supervised EOS fill its last block of 4
+    cut = Example(whole.input_ids, whole.labels, complete=False)
+    assert extend_to_block(whole, 4, EOS_ID).labels[-4:] == [whole.labels[-1]] + [EOS_ID] * 3
+    assert extend_to_block(cut, 4, EOS_ID) == cut
+    batch = collate([whole, cut])
+    assert batch.supervised.tolist() == [6 + 3, 6]  # the cut row scores its own 6 reply tokens only
+    clean = batch.targets[:, batch.noisy_width :]
+    assert clean[1][clean[1] != IGNORE].tolist() == whole.input_ids[3:]
+    noisy = batch.targets[:, : batch.noisy_width]
+    assert sorted(noisy[1][noisy[1] != IGNORE].tolist()) == sorted(whole.input_ids[3:])
+
+
+@pytest.mark.parametrize("stage", ["mars", "ar-sft"])
+def test_an_empty_micro_batch_is_one_row_that_scores_nothing(stage):
+    """A streamed micro-batch whose rows were all skipped collates to one padding row with no target: its
+    forward and backward run (so a DDP worker joins the all-reduce) and give every parameter a zero
+    gradient."""
+    model = build_tiny("llama", dtype=torch.float32)
+    batch = collate([]) if stage == "mars" else collate_ar([], pad_id=PAD_ID)
+    assert batch.input_ids.tolist() == [[PAD_ID]] and not batch.scored.any()
+    logits = ScoredLM(model)(**batch.model_inputs())
+    loss = mars_loss(logits, batch).total if stage == "mars" else ar_loss(logits, batch)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
 
 from mars_ray import data, models
-from mars_ray.core.objective import IGNORE
+from mars_ray.core.objective import IGNORE, collate_mars
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,40 @@ def test_sources_bundled_files_and_missing_messages(tmp_path):
         data.load_chats("./does/not/exist.jsonl")
     with pytest.raises(ValueError, match="splits train, calibration, heldout"):
         data.load_chats("tasks", "test")
+
+
+CUT_AT = 50  # max_length: not a multiple of the block size (4), so a row cut there would be extended
+
+
+def cut_and_whole_rows() -> list[dict]:
+    """A distilled reply cut at its budget, a reply cut at `CUT_AT`, and a whole one."""
+    return [
+        {"messages": chat("Count from 1 to 9.", "1, 2, 3, 4"), "complete": False},
+        {"messages": chat("Spell it.", "a-b-c " * 40), "complete": True},
+        {"messages": chat("Count from 1 to 3.", "1, 2, 3"), "complete": True},
+    ]
+
+
+def assert_eos_supervised_only_where_the_reply_ended(examples, tokenizer) -> None:
+    """Of `cut_and_whole_rows`' examples, only the whole reply's MARS batch scores EOS."""
+    assert [e.complete for e in examples] == [False, False, True]
+    batch = collate_mars(examples, 4, tokenizer.mask_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert (batch.targets == tokenizer.eos_token_id).any(dim=1).tolist() == [False, False, True]
+
+
+def test_a_cut_reply_never_teaches_eos(tokenizer):
+    rows = datasets.Dataset.from_list(cut_and_whole_rows())
+    examples, report = data.tokenize_chats(rows, tokenizer, CUT_AT, "rows")
+    assert report.truncated == 2
+    assert_eos_supervised_only_where_the_reply_ended(examples, tokenizer)
+
+
+def test_no_heldout_or_calibration_task_has_a_train_twin():
+    """Tasks are split by content, not wording: "Count from 13 to 18." in held-out and "List the numbers
+    from 13 to 18." in train would be the same task on both sides. Every kind is checked."""
+    train = {(r["task"], r["answer"]) for r in data.verifiable_tasks("train", 4000)}
+    for split in ("heldout", "calibration"):
+        rows = data.verifiable_tasks(split, 400)
+        assert len({r["task"] for r in rows}) == 9  # every kind of task
+        twins = [r["messages"][0]["content"] for r in rows if (r["task"], r["answer"]) in train]
+        assert twins == [], f"{split}: {len(twins)} of {len(rows)} tasks are also in train, e.g. {twins[:3]}"

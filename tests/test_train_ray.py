@@ -25,7 +25,14 @@ from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars,
 from mars_ray.train import sharding
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.run import run_training
-from mars_ray.train.steps import Objective, accumulate_gradients, sum_over_workers, worker_micro_batches
+from mars_ray.train.steps import (
+    IncompleteCheckpoint,
+    Objective,
+    accumulate_gradients,
+    sum_over_workers,
+    verify_checkpoint,
+    worker_micro_batches,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -133,8 +140,14 @@ def test_rerunning_a_finished_run_skips_its_stages(two_stage_run):
 
 
 def attempts(steps: list[dict]) -> list[list[dict]]:
-    """The log cut where a new worker group took over (it names the checkpoint it resumed from)."""
-    cuts = [i for i in range(1, len(steps)) if steps[i]["resumed_from"] != steps[i - 1]["resumed_from"]]
+    """The log cut where a new worker group took over: it names the checkpoint it resumed from, and starts
+    again after it (a group that fell back to the same checkpoint as the one before it is told by that)."""
+    pairs = zip(steps, steps[1:], strict=False)
+    cuts = [
+        i
+        for i, (before, after) in enumerate(pairs, start=1)
+        if after["resumed_from"] != before["resumed_from"] or after["step"] <= before["step"]
+    ]
     return [steps[a:b] for a, b in zip([0, *cuts], [*cuts, len(steps)], strict=True)]
 
 
@@ -160,33 +173,48 @@ def kill_a_worker_after_each_new_checkpoint(config: TrainConfig, stage: str, kil
     return thread
 
 
-def test_resume_after_worker_deaths_and_a_rerun(local_ray, tmp_path):
-    """The first death is absorbed by `FailureConfig` (max_failures=1); the second fails the run; rerunning
-    the same name resumes. Each time training restarts from the latest checkpoint, nothing earlier."""
-    config = small_config(
-        tmp_path,
-        "resume",
-        datasets=["tasks"],
-        stages=["ar-sft"],
-        steps=60,
-        checkpoint_every=5,
-        max_failures=1,
-    )
+def flip_a_byte(path: Path) -> None:
+    data = path.read_bytes()
+    middle = len(data) // 2
+    path.write_bytes(data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :])
+
+
+def test_resume_after_worker_deaths_a_damaged_checkpoint_and_a_rerun(local_ray, tmp_path):
+    """The first death is absorbed by `FailureConfig` (max_failures=1); the second fails the run. The newest
+    checkpoint is then damaged on storage (a bit flipped: it no longer matches its manifest), so the rerun
+    of the same name refuses it and resumes from the previous kept one. Each group restarts from the newest
+    whole checkpoint, nothing earlier, and every step's loss, in every attempt, is the loss of the same
+    step in an uninterrupted run: the model, AdamW's states and the schedule came back whole."""
+    layout = dict(datasets=["tasks"], stages=["ar-sft"], steps=15, checkpoint_every=3)
+    reference = small_config(tmp_path, "reference", **layout)
+    run_training(reference)
+    uninterrupted = {s["step"]: s["loss"] for s in logged_steps(reference, "ar-sft")}
+    config = small_config(tmp_path, "resume", max_failures=1, **layout)
     killer = kill_a_worker_after_each_new_checkpoint(config, "ar-sft", kills=2)
     with pytest.raises(ray.train.TrainingFailedError):
         run_training(config)
     killer.join(timeout=5)
     assert not killer.is_alive()
+    previous, newest = sorted((config.run_dir / "ar-sft").glob("checkpoint_0*"))  # keep_checkpoints=2
+    fallback = verify_checkpoint(previous)
+    flip_a_byte(newest / "model.safetensors")
+    with pytest.raises(IncompleteCheckpoint, match="model.safetensors differs"):
+        verify_checkpoint(newest)
 
     finals = run_training(config)
 
     groups = attempts(logged_steps(config, "ar-sft"))
     assert len(groups) == 3
-    for i, group in enumerate(groups[1:], start=1):
-        last_checkpoint = max(s["step"] for earlier in groups[:i] for s in earlier if s["checkpoint"])
-        assert group[0]["resumed_from"] == last_checkpoint
-        assert group[0]["step"] == last_checkpoint + 1
-    assert groups[-1][-1]["step"] == 60 and groups[-1][-1]["checkpoint"]
+    restarted = max(s["step"] for s in groups[0] if s["checkpoint"])
+    assert groups[1][0]["resumed_from"] == restarted and groups[1][0]["step"] == restarted + 1
+    assert groups[2][0]["resumed_from"] == fallback < int(newest.name.split("_")[1])
+    assert groups[2][0]["step"] == fallback + 1
+    assert groups[-1][-1]["step"] == 15 and groups[-1][-1]["checkpoint"]
+    for group in groups:
+        for step in group:
+            assert step["loss"] == pytest.approx(uninterrupted[step["step"]], rel=1e-5), step["step"]
+    kept = sorted((config.run_dir / "ar-sft").glob("checkpoint_0*"))
+    assert [verify_checkpoint(folder) for folder in kept] == [12, 15]  # the refused one was pruned
     assert (finals["ar-sft"] / "model.safetensors").exists()
 
 

@@ -41,10 +41,15 @@ IGNORE = -100
 
 @dataclass(frozen=True)
 class Example:
-    """One tokenized chat: `labels` is `input_ids` with the prompt set to -100 (unshifted)."""
+    """One tokenized chat: `labels` is `input_ids` with the prompt set to -100 (unshifted).
+
+    `complete`: the reply really ended where the example ends; False when it was cut (at a distillation's
+    token budget, or at `max_length`), so nothing may teach the model to stop there.
+    """
 
     input_ids: list[int]
     labels: list[int]
+    complete: bool = True
 
 
 @dataclass
@@ -112,9 +117,22 @@ class MarsLoss:
 
 
 def extend_to_block(example: Example, block_size: int, eos_id: int) -> Example:
-    """Append supervised EOS tokens until the length is a multiple of the block size (stage 2 only)."""
+    """Append supervised EOS tokens until the length is a multiple of the block size (stage 2 only).
+
+    Only a complete reply is extended: after a cut one, EOS would teach the model to stop where its text
+    was cut, so its last block stays partial (the batch's padding fills it, scoring nothing).
+    """
+    if not example.complete:
+        return example
     extra = -len(example.input_ids) % block_size
     return Example(example.input_ids + [eos_id] * extra, example.labels + [eos_id] * extra)
+
+
+def _never_empty(examples: Sequence[Example], pad_id: int) -> Sequence[Example]:
+    """`examples`, or for none one padding token that scores nothing: a streamed micro-batch whose rows were
+    all skipped still runs a forward and backward (zero gradients), so every DDP or FSDP worker joins the
+    same collectives at every micro-step."""
+    return examples or [Example([pad_id], [IGNORE], complete=False)]
 
 
 def _visible(q_pos, k_pos, q_noisy, k_noisy, block_size: int, q_offset=0, k_offset=0):
@@ -150,7 +168,8 @@ def collate_mars(
     compact: bool = True,
     offsets: Sequence[int] = (0,),
 ) -> MarsBatch:
-    """Extend each example to a block multiple, right-pad to the batch, and build `[noisy | clean]`.
+    """Extend each complete example to a block multiple, right-pad to the batch, and build `[noisy | clean]`
+    (no examples: one padding row that scores nothing).
 
     `compact` keeps only the noisy blocks that hold a scored position (right-padded per row; a padding
     column is given a block past the end, so no real query sees it); `compact=False` is the full layout.
@@ -161,7 +180,7 @@ def collate_mars(
         raise ValueError(f"block_size must be >= 2, got {block_size}")
     if not offsets or len(set(offsets)) != len(offsets) or not all(0 <= o < block_size for o in offsets):
         raise ValueError(f"offsets must be distinct values in [0, block_size), got {list(offsets)}")
-    extended = [extend_to_block(e, block_size, eos_id) for e in examples]
+    extended = [extend_to_block(e, block_size, eos_id) for e in _never_empty(examples, pad_id)]
     rows, length = len(extended), max(len(e.input_ids) for e in extended)
     clean = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full((rows, length), IGNORE, dtype=torch.long)
@@ -244,7 +263,8 @@ def _flex_mask(
 
 
 def collate_ar(examples: Sequence[Example], pad_id: int) -> ArBatch:
-    """Right-pad examples for plain next-token training."""
+    """Right-pad examples for plain next-token training (none: one padding row that scores nothing)."""
+    examples = _never_empty(examples, pad_id)
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     targets = torch.full((len(examples), length), IGNORE, dtype=torch.long)

@@ -8,13 +8,18 @@ or sharded (`sharding.py`, FSDP), and with LoRA (`lora.py`) only its adapters tr
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
+import re
 import tempfile
 import time
 from collections import Counter
-from contextlib import nullcontext
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pyarrow.fs
 import ray.train
 import ray.train.torch
 import torch
@@ -30,6 +35,7 @@ from mars_ray.train.config import Stage, TrainConfig
 from mars_ray.train.steps import (
     TRAINER_STATE,
     BatchSampler,
+    IncompleteCheckpoint,
     Objective,
     accumulate_gradients,
     max_over_workers,
@@ -57,11 +63,10 @@ def train_worker(loop_config: dict) -> None:
         torch.set_num_threads(config.cpus_per_worker)
     torch.manual_seed(config.seed)
 
-    checkpoint = ray.train.get_checkpoint()
-    with checkpoint.as_directory() if checkpoint else nullcontext() as saved:
-        saved = saved and Path(saved)
-        if saved:
-            verify_checkpoint(saved)  # Ray registers a checkpoint once copied; this proves it whole
+    with newest_whole_checkpoint(ray.train.get_checkpoint()) as (saved, refused):
+        if rank == 0:
+            for name, error in refused.items():
+                print(f"[{stage}] {name} refused ({error}): trying the checkpoint before it")
         trained, tokenizer, lm = _load_model(config, loop_config["source"], saved)
         if stage == "mars":
             lm.config.mars_block_size = config.block_size  # decoders default their window to it
@@ -151,7 +156,71 @@ def train_worker(loop_config: dict) -> None:
             elif rank == 0:
                 save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step, extra)
                 saved = ray.train.Checkpoint.from_directory(folder)
-            ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=f"checkpoint_{step:06d}")
+            ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=checkpoint_name(step, refused))
+
+
+CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)(?:\.(\d+))?")  # `checkpoint_name`'s
+
+
+def checkpoint_name(step: int, taken: Collection[str]) -> str:
+    """The folder name of step `step`'s checkpoint: `checkpoint_000100`, or `checkpoint_000100.1` (.2, ...)
+    where a refused checkpoint holds that name. Ray Train still lists the refused one, and deletes its
+    folder when it prunes it: a step redone after a fallback must not be saved into that folder."""
+    name, redo = f"checkpoint_{step:06d}", 0
+    while name in taken:
+        redo += 1
+        name = f"checkpoint_{step:06d}.{redo}"
+    return name
+
+
+def _order(path: str) -> tuple[int, int] | None:
+    """(step, redo) of a checkpoint folder, or None for any other folder."""
+    match = CHECKPOINT_NAME.fullmatch(os.path.basename(path))
+    return match and (int(match[1]), int(match[2] or 0))
+
+
+def _older_checkpoints(latest: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """The checkpoint folders kept beside `latest` (in its storage), older than it, newest first."""
+    fs, latest_order = latest.filesystem, _order(latest.path)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(os.path.dirname(latest.path)))
+    older = [
+        (_order(info.path), info.path)
+        for info in infos
+        if info.type == pyarrow.fs.FileType.Directory and _order(info.path)
+    ]
+    return [
+        ray.train.Checkpoint(path, filesystem=fs)
+        for order, path in sorted(older, reverse=True)
+        if latest_order is None or order < latest_order
+    ]
+
+
+@contextmanager
+def newest_whole_checkpoint(
+    latest: ray.train.Checkpoint | None,
+) -> Iterator[tuple[Path | None, dict[str, IncompleteCheckpoint]]]:
+    """The local folder of the newest checkpoint that verifies (None: no checkpoint, start afresh), and the
+    newer ones refused on the way, by folder name.
+
+    Ray Train hands over the latest checkpoint it registered; `verify_checkpoint` proves it whole. One
+    damaged since (a file cut short or altered on storage) is refused, and the group resumes from the newest
+    older one kept beside it, rather than failing at every restart until `max_failures` is spent. When none
+    verifies, the latest one's refusal is raised.
+    """
+    if latest is None:
+        yield None, {}
+        return
+    refused: dict[str, IncompleteCheckpoint] = {}
+    for candidate in itertools.chain([latest], _older_checkpoints(latest)):
+        with candidate.as_directory() as folder:
+            try:
+                verify_checkpoint(Path(folder))
+            except IncompleteCheckpoint as error:
+                refused[os.path.basename(candidate.path)] = error
+                continue
+            yield Path(folder), refused
+            return
+    raise next(iter(refused.values()))
 
 
 def _load_model(config: TrainConfig, source: str, saved: Path | None):

@@ -80,11 +80,10 @@ def tokenize_batch(batch: pa.Table, source: str, model: str, max_length: int) ->
         complete = completes is None or completes[i] is not False
         result = data.tokenize_chat(tokenizer, chat, max_length, complete)
         skipped = result if isinstance(result, str) else ""
-        ids = [] if skipped else result.input_ids
-        out["input_ids"].append(ids[:max_length])
-        out["labels"].append([] if skipped else result.labels[:max_length])
+        out["input_ids"].append([] if skipped else result.input_ids)
+        out["labels"].append([] if skipped else result.labels)
         out["skipped"].append(skipped)
-        out["truncated"].append(not skipped and (len(ids) > max_length or not complete))
+        out["truncated"].append(not skipped and not result.complete)
     out["source"] = [source] * len(messages)
     return pa.table(out)
 
@@ -161,7 +160,7 @@ class StreamedBatches:
                 continue
             counts["kept"] += 1
             counts["truncated"] += bool(row["truncated"])
-            examples.append(Example(row["input_ids"], row["labels"]))
+            examples.append(Example(row["input_ids"], row["labels"], complete=not row["truncated"]))
         return examples
 
 
