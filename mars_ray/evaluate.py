@@ -28,6 +28,7 @@ from mars_ray import cli_args, models
 from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.core.decoding import DecodeConfig, DecodeResult, decode_continuous
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
+from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 PAPER_TAUS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5)
 Source = Literal["tasks", "chatterbot"]
@@ -65,6 +66,7 @@ class EvalConfig(BaseModel):
     batch_size: int = Field(default=16, ge=1, description="rows decoded together")
     device: str = Field(default="cpu", description="torch device")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="weights' dtype")
+    engine: Engine = Field(default="native", description=ENGINE_HELP)
     check_greedy: bool = Field(
         default=False, description="also decode with HF generate and count tau = 1 replies that differ"
     )
@@ -177,8 +179,10 @@ def acceptance_rates(results: Sequence[DecodeResult], width: int) -> list[float]
 
 def draft_acceptance(results: Sequence[DecodeResult]) -> list[float]:
     """Verified decoding, per draft position i: of the forwards that checked more than i drafts, the share
-    that kept draft i (a forward keeps `accepted - 1` drafts, then adds the greedy token after them)."""
-    pairs = [(d, a - 1) for r in results for d, a in zip(r.drafted, r.accepted, strict=True)]
+    that kept draft i (a forward keeps `accepted - 1` drafts, then adds the greedy token after them). Results
+    that do not record their drafts per forward (vLLM's) are left out."""
+    recorded = [r for r in results if r.drafted]
+    pairs = [(d, a - 1) for r in recorded for d, a in zip(r.drafted, r.accepted, strict=True)]
     width = max((d for d, _ in pairs), default=0)
     rates = []
     for i in range(width):
@@ -204,6 +208,10 @@ class ModelUnderTest:
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         self.model, self.tokenizer = models.load(path, dtype=dtype, device=config.device)
         self._configure(config)
+        if config.engine == "vllm":
+            from mars_ray.vllm.offline import VllmDecoder
+
+            self.vllm = VllmDecoder(models.resolve(path), dtype=config.dtype)
 
     @classmethod
     def in_memory(cls, model, tokenizer, config: EvalConfig) -> ModelUnderTest:
@@ -222,6 +230,7 @@ class ModelUnderTest:
             max_new_tokens=config.max_new_tokens,
         )
         self.batch_size = config.batch_size
+        self.vllm = None
 
     def confidences(self, wanted: Sequence[Confidence]) -> list[Confidence]:
         """The confidence modes that differ for this checkpoint (raw only, if it is not calibrated)."""
@@ -233,6 +242,8 @@ class ModelUnderTest:
         temperatures = self.base.slot_temperatures if confidence == "calibrated" else ()
         config = replace(self.base, tau=tau, slot_temperatures=temperatures, verify=mode == "verify")
         tok = self.tokenizer
+        if self.vllm is not None:
+            return Decoded(tok, self.vllm.decode(prompts, config))
         found = dict(
             decode_continuous(
                 self.model, prompts, tok.mask_token_id, config, tok.pad_token_id, self.batch_size

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mars_ray import cli_args, models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
 from mars_ray.data import chat_prompt_ids
+from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
 class GenerateConfig(BaseModel):
@@ -27,6 +28,7 @@ class GenerateConfig(BaseModel):
     allow_wider_window: bool = Field(False, description="allow a window wider than the trained B")
     verify: bool = Field(False, description="verified: exactly greedy at any tau (tau picks the drafts)")
     max_new_tokens: int = Field(256, ge=1, description="reply budget")
+    engine: Engine = Field("native", description=ENGINE_HELP)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,8 +51,15 @@ def run(args: argparse.Namespace) -> None:
         verify=asked.verify,
     )
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": asked.prompt}])
+    if asked.engine == "vllm":
+        from mars_ray.vllm.offline import VllmDecoder
+
+        decoder = VllmDecoder(models.resolve(asked.model), dtype=str(model.dtype).removeprefix("torch."))
     start = time.perf_counter()
-    result = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
+    if asked.engine == "vllm":
+        result = decoder.decode([prompt], config)[0]
+    else:
+        result = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
     seconds = time.perf_counter() - start
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
     if args.json:

@@ -8,7 +8,10 @@ of two families written to disk with the tiny preset's tokenizer (mask token, ch
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2
 from mars_ray import models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
 from mars_ray.core.errors import ConfigError
+from mars_ray.evaluate import EvalConfig, evaluate
 from mars_ray.vllm import speculative_config
+from mars_ray.vllm.passes import forward_passes, histogram_of
 from mars_ray.vllm.settings import check
 
 pytestmark = pytest.mark.slow
@@ -67,7 +72,9 @@ def engines(checkpoint):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     common = dict(model=checkpoint, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0)
     ar = vllm.LLM(**common)
-    mars = vllm.LLM(**common, speculative_config=speculative_config(checkpoint))
+    mars = vllm.LLM(
+        **common, speculative_config=speculative_config(checkpoint), per_request_spec_decode_metrics="summary"
+    )
     yield ar, mars
     del ar, mars
 
@@ -101,23 +108,23 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def mars_counters(llm):
-    """The MARS proposer's counters of an in-process engine."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter.counters
-
-
 @pytest.mark.parametrize("tau", TAUS)
 def test_verified_greedy_equals_vllm_ar_and_hf_generate(engines, hf_model, tau):
     ar, mars = engines
     batch = prompts()
     budgets = [48, 7, 33, 48, 1, 20, 48, 12]  # rows finish mid-batch, some by EOS
     expected = generate(ar, batch, [greedy(n) for n in budgets])
-    before = mars_counters(mars).accepted
-    got = generate(mars, batch, [greedy(n, tau=tau) for n in budgets])
+    outputs = mars.generate(
+        [{"prompt_token_ids": p} for p in batch], [greedy(n, tau=tau) for n in budgets], use_tqdm=False
+    )
+    got = [list(o.outputs[0].token_ids) for o in outputs]
     assert got == expected
     for prompt, budget, tokens in zip(batch, budgets, got, strict=True):
         assert tokens == hf_greedy(hf_model, prompt, budget)
-    assert mars_counters(mars).accepted > before  # proposals were carried and some held
+    histograms = [histogram_of(o.outputs[0].spec_decode_metrics) for o in outputs]
+    assert sum(sum(j * n for j, n in enumerate(h)) for h in histograms) > 0  # some proposals held
+    passes = [forward_passes(len(t), h) for t, h in zip(got, histograms, strict=True)]
+    assert sum(map(len, got)) > sum(passes)  # more than one token per forward
 
 
 def test_one_row_alone_equals_its_batched_reply(engines):
@@ -217,3 +224,36 @@ def test_bad_fields_decode_as_plain_ar_and_are_refused_by_the_check(engines):
     ]:
         with pytest.raises(ConfigError, match=name):
             check(fields, 4)
+
+
+def test_generate_and_eval_run_on_either_engine(checkpoint):
+    """`mars-ray generate --engine vllm` prints what the native engine prints at verify; `eval` on vLLM
+    finds every tau = 1 reply equal to HF generate and every verified reply equal to it."""
+    asked = ["--model", checkpoint, "--prompt", "Count from 3 to 9.", "--max-new-tokens", "24"]
+    asked += ["--tau", "0.5", "--verify", "--json"]
+    replies = []
+    for engine in ("native", "vllm"):
+        done = subprocess.run(
+            [sys.executable, "-m", "mars_ray.cli", "generate", *asked, "--engine", engine],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith('{"text"')]  # vLLM logs too
+        replies.append(json.loads(line))
+    assert replies[0]["token_ids"] == replies[1]["token_ids"] and replies[1]["mode"] == "verify"
+    config = EvalConfig(
+        model=checkpoint,
+        engine="vllm",
+        dtype="float32",
+        taus=[1.0, 0.5],
+        modes=["verify"],
+        confidences=["raw"],
+        sources=["tasks"],
+        tasks_limit=6,
+        max_new_tokens=16,
+        check_greedy=True,
+    )
+    scores = {score.tau: score for score in evaluate(config).scores}
+    assert scores[1.0].greedy_mismatches == 0 and scores[0.5].self_exact == 1.0

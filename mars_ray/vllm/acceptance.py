@@ -63,18 +63,22 @@ def read_forward(
             # Row `row + carried` predicts the token after the last carried one (slot 0); the rows after
             # it sit at the masks and predict slots 1..masks.
             start = row + carried + 1
-            found.append(_proposals(logits[start : start + masks], carried, vocabulary))
+            temperatures = vocabulary.slot_temperatures if setting.calibrated else ()
+            found.append(_proposals(logits[start : start + masks], carried, vocabulary.limit, temperatures))
         else:
             found.append(None)
         row += len(fed) + 1
     return found
 
 
-def _proposals(mask_logits: torch.Tensor, carried: int, vocabulary: Vocabulary) -> Proposals:
-    scores = mask_logits.float()
-    scores[:, vocabulary.limit :] = float("-inf")
+def _proposals(
+    mask_logits: torch.Tensor, carried: int, limit: int, slot_temperatures: tuple[float, ...]
+) -> Proposals:
+    """Mask slot j's token (argmax below `limit`) and its fp32 confidence at slot j's temperature."""
+    scores = mask_logits.float().clone()  # fp32 logits come back as the same tensor: keep vLLM's intact
+    scores[:, limit:] = float("-inf")
     tokens = scores.argmax(dim=-1)
-    temperatures = vocabulary.slot_temperatures[1 : 1 + len(scores)]
+    temperatures = slot_temperatures[1 : 1 + len(scores)]
     if temperatures:
         scale = torch.ones(len(scores), device=scores.device)
         scale[: len(temperatures)] = torch.tensor(temperatures, device=scores.device)

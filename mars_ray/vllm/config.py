@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
+
+from transformers import AutoTokenizer
 
 from mars_ray.core.decoding import DEFAULT_BLOCK_SIZE, TRAINED_BLOCK_SIZE
 from mars_ray.core.errors import ConfigError
 
 PROPOSER = "mars_ray.vllm.proposer.MarsProposer"
+
+Engine = Literal["native", "vllm"]  # what decodes: this project's decoders, or vLLM with the MARS proposer
+ENGINE_HELP = "native: this project's decoder (the reference); vllm: vLLM with MARS as its speculative method"
 
 
 def trained_block_size(model: str | Path) -> int:
@@ -26,3 +32,8 @@ def speculative_config(model: str | Path) -> dict:
     if block_size < 2:
         raise ConfigError("model", f"{model} was trained with B = {block_size}: nothing to draft")
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * (block_size - 1)}
+
+
+def is_mars_checkpoint(model: str | Path) -> bool:
+    """A folder whose tokenizer has a mask token (what MARS training and `prepare_for_mars` save)."""
+    return AutoTokenizer.from_pretrained(model).mask_token is not None

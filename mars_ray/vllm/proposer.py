@@ -12,9 +12,7 @@ without a MARS proposer samples exactly as before.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer
@@ -26,30 +24,6 @@ from mars_ray.vllm.acceptance import Proposals, Vocabulary, keep_confident, read
 from mars_ray.vllm.settings import DraftSettings, settings_of
 
 GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
-
-
-@dataclass
-class DraftCounters:
-    """MARS's own acceptance figures (vLLM's count every mask slot as a rejected draft): forwards that
-    carried proposals, the proposals carried, and those accepted at each position."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def add(self, carried: int, accepted: int) -> None:
-        if not carried:
-            return
-        self.drafts += 1
-        self.draft_tokens += carried
-        grow = carried - len(self.accepted_per_position)
-        self.accepted_per_position += [0] * max(grow, 0)
-        for position in range(accepted):
-            self.accepted_per_position[position] += 1
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.accepted_per_position)
 
 
 class MarsProposer:
@@ -72,9 +46,7 @@ class MarsProposer:
         )
         self._batch: list[DraftSettings] = []
         self._read: list[Proposals | None] = []
-        self.counters = DraftCounters()
         _install_hook()
-        _proposers.add(self)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM loads a drafter's weights here; the target is this drafter."""
@@ -108,8 +80,6 @@ class MarsProposer:
                 drafts.append([])
                 continue
             carried: list[int] = []
-            if read is not None:
-                self.counters.add(read.carried, min(len(sampled) - 1, read.carried))
             if read is not None and len(sampled) == read.carried + 1:
                 carried = keep_confident(read, settings.tau, settings.window - 1)
             masks = [self.vocabulary.mask_id] * (settings.window - 1)
@@ -118,13 +88,7 @@ class MarsProposer:
         return drafts
 
 
-_proposers: weakref.WeakSet[MarsProposer] = weakref.WeakSet()
 _hooked = False
-
-
-def proposers() -> list[MarsProposer]:
-    """The MARS proposers of this process (one per vLLM engine run in it, with V1 multiprocessing off)."""
-    return list(_proposers)
 
 
 def _install_hook() -> None:

@@ -1,9 +1,11 @@
 """A request's MARS settings on vLLM: `tau`, `verify` and `block_size`, as on the native engine.
 
 They arrive as the request's `extra_args` (the OpenAI API's `vllm_xargs`); a request without them runs
-verified at `DEFAULT_TAU`. They are checked by `DecodeConfig`, the one home of their ranges. The worker
-cannot answer a client, so a value that does not pass falls back to plain AR (always exact) and is logged:
-the serving layer in front of vLLM checks the fields first and answers a 400 naming the field.
+verified at `DEFAULT_TAU`. `calibrated: false` reads raw confidences where the checkpoint carries
+calibrated slot temperatures (the tau sweeps of `mars-ray eval` compare both). They are checked by
+`DecodeConfig`, the one home of their ranges. The worker cannot answer a client, so a value that does not
+pass falls back to plain AR (always exact) and is logged: the serving layer in front of vLLM checks the
+fields first and answers a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from mars_ray.core.decoding import DecodeConfig
 from mars_ray.core.errors import ConfigError
 
 DEFAULT_TAU = 0.9
-FIELDS = ("tau", "verify", "block_size")
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class DraftSettings:
     verify: bool
     window: int
     greedy: bool
+    calibrated: bool = True
 
     @property
     def mode(self) -> str:
@@ -46,6 +48,8 @@ def check(extra_args: Mapping | None, block_size: int) -> DecodeConfig:
     extra = dict(extra_args or {})
     fields = {"tau": extra.get("tau", DEFAULT_TAU), "verify": extra.get("verify", True)}
     fields["block_size"] = extra.get("block_size", block_size)
+    if not isinstance(extra.get("calibrated", True), bool):
+        raise ConfigError("calibrated", f"invalid value {extra['calibrated']!r}")
     for name, value in fields.items():
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if (name == "verify") != isinstance(value, bool) or (name != "verify" and not numeric):
@@ -63,4 +67,5 @@ def settings_of(extra_args: Mapping | None, block_size: int, greedy: bool) -> Dr
     except ConfigError as error:
         log.warning("MARS request fields refused (%s): decoding it as plain AR", error)
         return DraftSettings(tau=1.0, verify=True, window=1, greedy=greedy)
-    return DraftSettings(tau=config.tau, verify=config.verify, window=config.window, greedy=greedy)
+    calibrated = (extra_args or {}).get("calibrated", True)
+    return DraftSettings(config.tau, config.verify, config.window, greedy, calibrated)
