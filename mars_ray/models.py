@@ -6,6 +6,9 @@ ordinary local folders, so every path through training and serving is the same `
   dequantized to fp32 safetensors (`save_pretrained` refuses a GGUF-loaded model, so the weights are
   copied into a fresh model built from the same config).
 - `tiny`: a ~2M-parameter Llama from a config, with a byte-level BPE trained here on the bundled data.
+
+A gated folder (`mars_ray.core.gated`, what a `lora.gated` run writes) loads as its base model with the
+gated adapter applied, so every command that loads a model here serves the user's model plus its drafts.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_ray.core import gated
 from mars_ray.core.tokens import prepare_for_mars
 
 CHATML_TEMPLATE = (
@@ -143,11 +147,15 @@ def load(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Model and tokenizer with a mask token (added and embedded if missing), in eval mode on `device`."""
+    """Model and tokenizer with a mask token (added and embedded if missing), in eval mode on `device`; a
+    gated folder's base with its gated adapter (the tokenizer is the folder's, with its mask token)."""
     source = resolve(model)
+    spec = gated.read_spec(source)
     tokenizer = AutoTokenizer.from_pretrained(source)
     loaded = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype or "auto", attn_implementation=attn_implementation
+        resolve(spec.base) if spec else source, dtype=dtype or "auto", attn_implementation=attn_implementation
     )
     prepare_for_mars(loaded, tokenizer)
+    if spec:
+        gated.load(loaded, source)
     return loaded.to(device).eval(), tokenizer

@@ -4,16 +4,22 @@
 # model. Every step skips what is already done, so rerunning the same command resumes where it stopped.
 #
 #   bash scripts/real_model.sh              # about 3.5 hours on 2 CPU cores (distill 12 min, train 2.4 h)
+#   GATED=1 bash scripts/real_model.sh      # gated adapters instead (configs/smollm2-cpu-gated.yaml): the
+#                                           # instruct model kept exactly; the task prompts distilled too
 #
-# Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final and the reports beside it in
-# $MARS_RAY_HOME/runs/smollm2-cpu/reports/. Run `bash scripts/setup.sh` first.
+# Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final (gated: runs/smollm2-cpu-gated/, a
+# gated folder naming its base) and the reports beside it in .../reports/. Run `bash scripts/setup.sh` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 home=$(realpath -m "${MARS_RAY_HOME:-$HOME/.cache/mars-ray}")
 export MARS_RAY_HOME=$home RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 bin=.venv/bin
-run=$home/runs/smollm2-cpu
+gated=${GATED:-0}
+recipe=smollm2-cpu
+[ "$gated" = 1 ] && recipe=smollm2-cpu-gated
+run=$home/runs/$recipe
 distilled=$home/distill/smollm2-chatterbot
+distilled_tasks=$home/distill/smollm2-tasks
 reports=$run/reports
 mkdir -p "$reports"
 started=$(date +%s)
@@ -26,14 +32,30 @@ phase "distill"   # resumable: finished shards are skipped
 $bin/mars-ray distill --model smollm2-135m --prompts chatterbot-prompts chatterbot --max-new-tokens 96 \
   --batch-size 48 --shard-size 128 --output "$distilled"
 
+datasets="[$distilled, tasks]"
+if [ "$gated" = 1 ]; then  # the drafts learn the verifier's own text: its replies to the task prompts too
+  phase "distill tasks"
+  $bin/mars-ray distill --model smollm2-135m --prompts tasks --tasks-count 1000 --max-new-tokens 96 \
+    --batch-size 48 --shard-size 128 --output "$distilled_tasks"
+  datasets="[$distilled, $distilled_tasks]"
+fi
+
 phase "train"     # resumable: the run continues from its last checkpoint
-$bin/mars-ray train --config configs/smollm2-cpu.yaml "datasets=[$distilled, tasks]" output_dir="$home/runs"
+$bin/mars-ray train --config configs/$recipe.yaml "datasets=$datasets" output_dir="$home/runs"
 
 final=$run/mars/final
-phase "plain transformers loads it"
-$bin/python -c "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer
+if [ "$gated" = 1 ]; then
+  phase "plain transformers loads the base; mars_ray.models loads the gated folder on it"
+  $bin/python -c "import sys, json; from transformers import AutoModelForCausalLM; from mars_ray import models
+base = json.load(open(sys.argv[1] + '/config.json'))['mars_gated']['base']
+m = AutoModelForCausalLM.from_pretrained(base); g, t = models.load(sys.argv[1])
+print('base', base, m.num_parameters(), 'parameters; gated B =', g.config.mars_block_size, '; mask', t.mask_token)" "$final"
+else
+  phase "plain transformers loads it"
+  $bin/python -c "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1]); t = AutoTokenizer.from_pretrained(sys.argv[1])
 print(type(m).__name__, m.num_parameters(), 'parameters; B =', m.config.mars_block_size, '; mask', t.mask_token)" "$final"
+fi
 
 phase "calibrate"
 [ -f "$final/calibration.json" ] || $bin/mars-ray calibrate --model "$final" --tasks-limit 100 --dialogs-limit 100 \
@@ -53,8 +75,13 @@ dtypes=float32
 $bin/python -c "import sys, torch; sys.exit(not torch.cpu._is_avx512_bf16_supported())" && dtypes="bfloat16 float32"
 for dtype in $dtypes; do
   phase "bench forward $dtype"
-  [ -f "$reports/forward-$dtype.json" ] || $bin/mars-ray bench forward --model "$final" --dtype $dtype \
-    --steps 24 --output "$reports/forward-$dtype.json"
+  if [ "$gated" = 1 ]; then  # the gate's cost: the base's plain step beside its step with an r 32 adapter
+    [ -f "$reports/forward-$dtype.json" ] || $bin/mars-ray bench forward --model smollm2-135m --dtype $dtype \
+      --gated-rank 32 --steps 24 --output "$reports/forward-$dtype.json"
+  else
+    [ -f "$reports/forward-$dtype.json" ] || $bin/mars-ray bench forward --model "$final" --dtype $dtype \
+      --steps 24 --output "$reports/forward-$dtype.json"
+  fi
   phase "bench decode $dtype"
   [ -f "$reports/decode-$dtype.json" ] || $bin/mars-ray bench decode --model "$final" --baseline smollm2-135m \
     --dtype $dtype --prompts 8 --max-new-tokens 48 --batch-sizes 1 4 --repeats 2 \

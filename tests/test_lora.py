@@ -98,6 +98,12 @@ def test_lora_settings_fail_naming_their_key(tmp_path):
         load_config(None, ["model=tiny", "lora.r=0"])
     with pytest.raises(ValueError, match=r"lora\.rank"):
         load_config(None, ["model=tiny", "lora.rank=4"])
+    gated = load_config(None, ["model=tiny", "stages=[mars]", "lora={r: 8, gated: true}"])
+    assert gated.lora == LoraSettings(r=8, gated=True)
+    with pytest.raises(ValueError, match=r"lora\.gated trains stage mars only"):  # an AR stage feeds no mask
+        load_config(None, ["model=tiny", "lora={r: 8, gated: true}"])
+    with pytest.raises(ValueError, match=r"lora\n.*strategy ddp only"):
+        load_config(None, ["model=tiny", "stages=[mars]", "strategy=fsdp", "lora={gated: true}"])
     build_tiny("llama").save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as error:
         lora.check_targets(str(tmp_path), LoraSettings(target_modules=["q_proj", "query"]))

@@ -33,6 +33,12 @@ class LoraSettings(BaseModel):
         min_length=1,
         description="names (last part) of the linear layers that get adapters",
     )
+    gated: bool = Field(
+        default=False,
+        description="the adapters (and the mask token's row) apply only where the input is the mask token:"
+        " every real token is the frozen base model's, so tau 1 and verified decoding write exactly its"
+        " greedy text; the clean stream is the base, its AR loss a constant (dropped); stage mars only",
+    )
 
 
 class TrainConfig(BaseModel):
@@ -68,7 +74,9 @@ class TrainConfig(BaseModel):
     )
     # the MARS objective
     block_size: int = Field(default=4, ge=2, description="B: tokens predicted per block in stage mars")
-    ar_weight: float = Field(default=1.0, ge=0, description="weight of the clean-stream (AR) loss")
+    ar_weight: float = Field(
+        default=1.0, ge=0, description="weight of the clean-stream (AR) loss (unused with lora.gated)"
+    )
     block_offsets: int = Field(
         default=1,
         ge=1,
@@ -147,6 +155,11 @@ class TrainConfig(BaseModel):
     def _lora_on_ddp(cls, value: LoraSettings | None, info: ValidationInfo) -> LoraSettings | None:
         if value is not None and info.data.get("strategy") == "fsdp":
             raise ValueError("LoRA trains with strategy ddp only (its adapters are small: nothing to shard)")
+        if value is not None and value.gated and info.data.get("stages") != ["mars"]:
+            raise ValueError(
+                "lora.gated trains stage mars only (stages=[mars]): its adapters act on mask tokens alone,"
+                " which an AR stage never feeds, and the model it starts from is kept as it is"
+            )
         return value
 
     @property

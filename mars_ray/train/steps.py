@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
+from mars_ray.core import gated
 from mars_ray.core.objective import IGNORE, Example, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train.config import Stage
 
@@ -66,7 +67,8 @@ class Objective:
         """The core losses of `examples` times their own normaliser: sums that add up across workers.
 
         `model` is a `ScoredLM` (or DDP around one). `total` carries the gradient; `noisy` and `clean`
-        (MARS only) are its detached parts.
+        (MARS only) are its detached parts. A gated model's clean stream is its frozen base: it runs without
+        a graph and its loss (a constant) is left out.
         """
         if self.stage == "ar-sft":
             batch = collate_ar(examples, self.pad_id).to(device)
@@ -74,7 +76,12 @@ class Objective:
         batch = collate_mars(
             examples, self.block_size, self.mask_id, self.pad_id, self.eos_id, offsets=self.offsets
         ).to(device)
-        loss = mars_loss(model(**batch.model_inputs()), batch, self.ar_weight)
+        lm = getattr(model, "module", model).lm
+        if gated.is_gated(lm):
+            with gated.after_clean_stream(lm, batch) as noisy:
+                loss = mars_loss(model(**noisy.model_inputs()), noisy)
+        else:
+            loss = mars_loss(model(**batch.model_inputs()), batch, self.ar_weight)
         return {
             "total": loss.total * len(examples),
             "noisy": loss.noisy * len(examples),

@@ -1,0 +1,221 @@
+"""Gated MARS adapters: the user's model, kept exactly, plus mask slots that draft.
+
+A low-rank delta on the chosen linear layers, and a trained embedding for the mask token, apply only at the
+positions whose input token is the mask token; every real token is computed by the frozen base weights, so
+tau = 1 is the base model and verified decoding (drafts from the mask slots, checked at real positions of
+the next forward) writes exactly the base model's greedy text.
+
+One mechanism serves every caller that feeds `input_ids` (our decoders, HF `generate`, training): a forward
+pre-hook on the model's decoder stack records which flattened positions hold the mask token; a forward hook
+on the input embedding swaps in the mask row there, and one on each target linear layer adds its delta to
+those rows only (`index_add`: the other rows are the base layer's output, bit for bit, and the adapter costs
+nothing where there are no masks).
+
+A gated folder (a training checkpoint, or a run's `final/`) holds the model's `config.json` with the marker
+`mars_gated` in it (the base it adapts and the adapter's shape; beside it, as in any MARS checkpoint, the
+mask token id, `mars_block_size` and what calibration writes), `gated_adapter.safetensors` and the
+tokenizer with its mask token. It holds no weights of the base, which is never written: plain
+`transformers` loading the base gets the user's model, and loading the gated folder itself fails (no
+weights) rather than give a model without its gate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from mars_ray.core.objective import MarsBatch
+
+MARKER = "mars_gated"  # the config.json key that makes a folder gated
+MARS_KEYS = "mars_"  # config keys a gated folder carries over to its loaded base (block size, temperatures)
+WEIGHTS = "gated_adapter.safetensors"
+GATE = "mars_gate"  # the model attribute that holds the gate (and, in its state dict, the mask row)
+DELTA = "mars_gated_lora"  # the attribute of each target linear layer that holds its low-rank delta
+
+
+@dataclass(frozen=True)
+class GatedSpec:
+    """What a gated folder records under `mars_gated`: its base (a folder or Hub id), the adapter's shape."""
+
+    base: str
+    r: int
+    alpha: float
+    target_modules: list[str]
+    dropout: float = 0.0
+
+
+class LowRankDelta(nn.Module):
+    """`B(A(dropout(x))) * alpha / r`, B zero at first (peft's LoRA initialisation: the delta starts at 0)."""
+
+    def __init__(self, linear: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        kind = {"device": linear.weight.device, "dtype": linear.weight.dtype}
+        self.A = nn.Linear(linear.in_features, r, bias=False, **kind)
+        self.B = nn.Linear(r, linear.out_features, bias=False, **kind)
+        nn.init.kaiming_uniform_(self.A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.B.weight)
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.B(self.A(self.dropout(x))) * self.scaling
+
+
+class Gate(nn.Module):
+    """The mask token's trained embedding row, and which positions of the current forward are masks."""
+
+    def __init__(self, spec: GatedSpec, mask_id: int, mask_row: torch.Tensor) -> None:
+        super().__init__()
+        self.spec, self.mask_id = spec, mask_id
+        self.mask_row = nn.Parameter(mask_row.detach().clone())
+        self.rows = torch.zeros(0, dtype=torch.long)  # flattened [batch * length] positions of mask tokens
+        self.tokens = 0  # batch * length of the current forward
+
+    def record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder stack: every forward states its input ids anew."""
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None:
+            raise ValueError("a gated MARS model needs input_ids (the gate reads which inputs are masks)")
+        flat = input_ids.reshape(-1)
+        self.rows = (flat == self.mask_id).nonzero().squeeze(1)
+        self.tokens = flat.numel()
+
+    def embed(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Forward hook of the input embedding: the mask row at mask positions."""
+        if not len(self.rows):
+            return output
+        row = self.mask_row.to(output.dtype).expand(len(self.rows), -1)
+        return output.reshape(self.tokens, -1).index_copy(0, self.rows, row).view_as(output)
+
+    def add_delta(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Forward hook of a target linear layer: its delta added at mask positions only."""
+        if not len(self.rows):
+            return output
+        x = args[0]
+        if x.shape[:-1].numel() != self.tokens:
+            raise ValueError(f"gated adapter on a layer not fed one row per token: {tuple(x.shape)}")
+        delta = getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows])
+        return output.reshape(self.tokens, -1).index_add(0, self.rows, delta.to(output.dtype)).view_as(output)
+
+
+def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> Gate:
+    """Give `model` (its config names the mask token) a fresh gated adapter: its delta zero, its mask row the
+    base's own, so still exactly the base. Every base weight is frozen; the adapter trains if `trainable`."""
+    if getattr(model, GATE, None) is not None:
+        raise ValueError("this model already has a gated adapter")
+    targets = set(spec.target_modules)
+    named = model.named_modules()
+    linears = [m for name, m in named if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    if not linears:
+        raise ValueError(f"no linear layer of this model is named {', '.join(sorted(targets))}")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    mask_id = int(model.config.mask_token_id)
+    embedding = model.get_input_embeddings()
+    with torch.no_grad():
+        mask_row = embedding(torch.tensor([mask_id], device=embedding.weight.device))[0]
+    gate = Gate(spec, mask_id, mask_row)
+    setattr(model, GATE, gate)
+    model.base_model.register_forward_pre_hook(gate.record, with_kwargs=True)
+    embedding.register_forward_hook(gate.embed)
+    for linear in linears:
+        setattr(linear, DELTA, LowRankDelta(linear, spec.r, spec.alpha, spec.dropout))
+        linear.register_forward_hook(gate.add_delta)
+    for tensor in adapter_state(model, keep_vars=True).values():
+        tensor.requires_grad_(trainable)
+    return gate
+
+
+def is_gated(model: nn.Module) -> bool:
+    return isinstance(getattr(model, GATE, None), Gate)
+
+
+def adapter_state(model: PreTrainedModel, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The gated adapter's tensors (the mask row and every delta), named as in `model.state_dict()`."""
+    return {
+        name: tensor
+        for name, tensor in model.state_dict(keep_vars=keep_vars).items()
+        if name.startswith(f"{GATE}.") or f".{DELTA}." in name
+    }
+
+
+def save(model: PreTrainedModel, folder: Path) -> None:
+    """Write the model's config with the marker, and the adapter's tensors, into `folder`."""
+    config = copy.deepcopy(model.config)
+    setattr(config, MARKER, asdict(getattr(model, GATE).spec))
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous().cpu() for k, v in adapter_state(model).items()}, folder / WEIGHTS)
+
+
+def read_spec(folder: str | Path) -> GatedSpec | None:
+    """The spec of a gated folder; None for anything else (a plain model folder, a Hub id)."""
+    path = Path(folder).expanduser() / "config.json"
+    marker = json.loads(path.read_text()).get(MARKER) if path.is_file() else None
+    return GatedSpec(**marker) if marker else None
+
+
+def load(model: PreTrainedModel, folder: str | Path, trainable: bool = False) -> Gate:
+    """Attach the gated adapter saved in `folder` to `model`, its base, with the folder's MARS config keys
+    (`mars_block_size`, calibrated temperatures, the marker)."""
+    folder = Path(folder).expanduser()
+    spec = read_spec(folder)
+    if spec is None:
+        raise FileNotFoundError(f"{folder}: not a gated folder (no {MARKER} in its config.json)")
+    stored = json.loads((folder / "config.json").read_text())
+    for key, value in stored.items():
+        if key.startswith(MARS_KEYS):
+            setattr(model.config, key, value)
+    gate = attach(model, spec, trainable)
+    saved = load_file(str(folder / WEIGHTS))
+    expected = set(adapter_state(model))
+    if set(saved) != expected:
+        missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+        raise ValueError(f"{folder}: its adapter does not fit the model (missing {missing}, extra {extra})")
+    model.load_state_dict(saved, strict=False)
+    return gate
+
+
+@contextmanager
+def after_clean_stream(lm: PreTrainedModel, batch: MarsBatch) -> Iterator[MarsBatch]:
+    """The gated MARS step's two forwards. The clean stream holds no mask token, so the frozen base computes
+    it: it runs once under no_grad (no graph; its AR loss is a constant, dropped), and its keys and values
+    become the cache that every forward of `lm` inside the block attends to. Yields the noisy half of
+    `batch` (its own mask: noisy to clean, then noisy to noisy), to score as `mars_loss` scores a batch."""
+    width, mask = batch.noisy_width, batch.attention_mask
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        raise ValueError("gated training builds its clean-stream cache from a dense 4D mask")
+    with torch.no_grad():
+        cache = lm.base_model(
+            input_ids=batch.input_ids[:, width:],
+            position_ids=batch.position_ids[:, width:],
+            attention_mask=mask[:, :, width:, width:],
+            use_cache=True,
+        ).past_key_values
+    noisy = MarsBatch(
+        input_ids=batch.input_ids[:, :width],
+        position_ids=batch.position_ids[:, :width],
+        attention_mask=torch.cat([mask[:, :, :width, width:], mask[:, :, :width, :width]], dim=-1),
+        targets=batch.targets[:, :width],
+        supervised=batch.supervised,
+        noisy_width=width,
+        noisy_streams=batch.noisy_streams,
+    )
+
+    def on_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "past_key_values": cache, "use_cache": True}
+
+    handle = lm.base_model.register_forward_pre_hook(on_cache, with_kwargs=True)
+    try:
+        yield noisy
+    finally:
+        handle.remove()
