@@ -18,9 +18,10 @@ def free_port(start: int) -> int:
 
 
 @contextlib.contextmanager
-def local_app(app_config: dict, port: int, **ray_options) -> Iterator[str]:
+def local_app(app_config: dict, port: int, route_prefix: str = "/", **ray_options) -> Iterator[str]:
     """Start a Ray cluster of its own (2 CPUs), Serve on 127.0.0.1 from the first free port at or after
-    `port`, and `build_app(app_config)` on it; yield the app's URL, and shut both down after."""
+    `port`, and `build_app(app_config)` on it under `route_prefix`; yield the server's URL (the prefix not
+    in it), and shut both down after."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray import serve
@@ -32,7 +33,7 @@ def local_app(app_config: dict, port: int, **ray_options) -> Iterator[str]:
     ray.init(address="local", **options)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(app_config), name="mars", route_prefix="/")
+        serve.run(build_app(app_config), name="mars", route_prefix=route_prefix)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -10,8 +10,8 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingContext
 
 from mars_ray.serve.controller import OperatingPoint, TauController, TauObjective, ladder
-from mars_ray.serve.engine import EngineStats
 from mars_ray.serve.policy import tau_first_policy
+from mars_ray.serve.stats import EngineStats
 
 
 def snapshot(

@@ -39,6 +39,11 @@ def hf_greedy(model, prompts, max_new_tokens, eos=EOS_ID):
     return [row[: row.index(eos) + 1] if eos in row else row for row in out]
 
 
+def without_mask(logits):
+    """Logits with the mask token out of the softmax: it is not text (`text_log_probs`)."""
+    return logits.index_fill(-1, torch.tensor([MASK_ID]), float("-inf"))
+
+
 def frequent_token(model, prompts):
     """A token that greedy decoding emits mid-way for some prompts: a stop token that really stops."""
     counts = torch.bincount(
@@ -246,15 +251,15 @@ def test_random_joins_and_cancellations_change_no_token(tiny_llama, budget):
 @pytest.mark.parametrize(("tau", "verify"), [(1.0, False), (0.3, True), (0.3, False)])
 def test_logprobs_are_the_models_own_for_greedy_and_verified_tokens(tiny_llama, tau, verify):
     """At tau = 1 and verified at any tau, every token's log-probability (and its top 3) is what a plain
-    forward over prompt + output gives at that position; a lossy token from a mask slot carries a
-    log-probability of its own slot, where it is the likeliest."""
-    prompts = random_prompts(3, seed=40)
+    forward over prompt + output gives at that position, over the text tokens (the mask is none); a lossy
+    token from a mask slot carries a log-probability of its own slot, where it is the likeliest."""
+    prompts = random_prompts(3, seed=41)  # replies without the mask, an ordinary row of this random model
     config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=10, verify=verify, logprobs=3)
     for result, prompt in zip(decode_cached(tiny_llama, prompts, MASK_ID, config), prompts, strict=True):
         assert [lp.token for lp in result.logprobs] == result.tokens
         with torch.no_grad():
             logits = tiny_llama(torch.tensor([prompt + result.tokens])).logits[0].float()
-        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        expected = torch.log_softmax(without_mask(logits[len(prompt) - 1 : -1]), dim=-1)
         exact = [1] * len(result.tokens) if tau >= 1 or verify else None
         if exact is None:  # lossy: a forward's first token is exact, the others came from mask slots
             exact = [j == 0 for n in result.accepted for j in range(n)]
@@ -316,6 +321,76 @@ def test_seeded_sampling_is_reproducible(tiny_llama):
     other = DecodeConfig(tau=0.5, temperature=1.0, top_p=0.9, seed=124, max_new_tokens=16)
     greedy = decode_cached(tiny_llama, [prompt], MASK_ID, DecodeConfig(tau=0.5, max_new_tokens=16))[0].tokens
     assert first != decode_cached(tiny_llama, [prompt], MASK_ID, other)[0].tokens or first != greedy
+
+
+def test_seeded_sampling_does_not_depend_on_its_neighbours(tiny_llama):
+    """A seeded row draws for its own window's slots only: beside a wider window, and beside a verified row
+    whose drafts move every row's window right, it samples what it samples alone, and what the reference
+    decoder samples."""
+    prompts = random_prompts(3, seed=60)
+    neighbours = [
+        DecodeConfig(tau=0.5, block_size=8, max_new_tokens=16),
+        DecodeConfig(tau=0.1, block_size=4, max_new_tokens=16, verify=True),
+    ]
+    for tau in (0.5, 1.0):
+        seeded = DecodeConfig(tau=tau, block_size=4, temperature=1.0, seed=7, max_new_tokens=16)
+        alone = decode_cached(tiny_llama, prompts[:1], MASK_ID, seeded)[0].tokens
+        batched = decode_cached(tiny_llama, prompts, MASK_ID, [seeded, *neighbours])
+        assert batched[0].tokens == alone
+        assert decode_reference(tiny_llama, prompts[0], MASK_ID, seeded).tokens == alone
+        assert sum(batched[2].drafted) > 0  # the verified neighbour did carry drafts
+
+
+def test_windows_stop_at_the_end_of_the_context(tiny_llama):
+    """Rows decoding up to the model's last position, beside wider windows and verified drafts: no mask or
+    draft is fed at a position at or past `max_position_embeddings` (a row's window is capped by what it may
+    still produce; a neighbour's wider window is holes there), and every row decodes its reference tokens."""
+    limit = 40
+    model = build_tiny("llama", max_position_embeddings=limit)
+    prompts = random_prompts(5, seed=62)
+    kinds = [(0.3, 4, False, 0.0), (0.5, 8, False, 0.0), (0.1, 4, True, 0.0), (1.0, 4, False, 0.0)]
+    kinds.append((0.5, 4, False, 1.0))
+    configs = [
+        DecodeConfig(tau=t, block_size=w, verify=v, temperature=temp, seed=3, max_new_tokens=limit - len(p))
+        for p, (t, w, v, temp) in zip(prompts, kinds, strict=True)
+    ]
+    positions = []
+
+    def record(module, args, kwargs):
+        given = kwargs.get("position_ids")
+        positions.append(kwargs["input_ids"].shape[1] - 1 if given is None else int(given.max()))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        results = decode_cached(model, prompts, MASK_ID, configs)
+        for prompt, config, result in zip(prompts, configs, results, strict=True):
+            expected = dataclasses.replace(config, tau=1.0, verify=False) if config.verify else config
+            assert result.tokens == decode_reference(model, prompt, MASK_ID, expected).tokens
+            assert result.finish_reason == "length"
+    finally:
+        hook.remove()
+    assert max(positions) == limit - 2  # the last token fed is the one before the last produced
+
+
+def test_a_row_that_leaves_verified_decoding_drops_its_drafts(tiny_llama):
+    """Verified rows switched to lossy tau 1 mid-flight (as the engine's operating point leaves the verify
+    rung) stay exactly greedy: the drafts they carried are never fed as a lossy row's context."""
+    prompts = random_prompts(4, seed=61)
+    config = DecodeConfig(tau=0.1, block_size=4, max_new_tokens=24, verify=True)
+    decoder = SlidingDecoder(tiny_llama, MASK_ID, PAD_ID)
+    states = [DecodeState(p, config) for p in prompts]
+    for state in states:
+        decoder.add(state)
+    decoder.step()
+    while not any(state.drafts for state in states):  # until some row carries drafts into the switch
+        decoder.step()
+    assert not any(state.finished for state in states)
+    for state in states:
+        state.reconfigure(dataclasses.replace(config, tau=1.0, verify=False))
+    for _ in range(24):  # a token a forward now: enough to finish every row
+        decoder.step()
+    assert not decoder.active
+    assert [state.tokens for state in states] == hf_greedy(tiny_llama, prompts, 24, eos=-1)
 
 
 def test_eager_attention_matches_sdpa():
@@ -483,7 +558,7 @@ def test_mask_slots_never_propose_the_mask_or_padded_rows():
 def test_tau_one_at_batch_one_is_generate_bit_for_bit_in_bf16():
     """Without holes the decoder lets the model build its causal mask, so at batch 1 it runs the kernels
     HF `generate` runs: in bf16, where a masked and an unmasked attention kernel round differently, the
-    tokens and every log-probability are equal exactly, not within a tolerance."""
+    tokens and every log-probability (over the text tokens) are equal exactly, not within a tolerance."""
     model = build_tiny(
         "llama", sharpness=1.0, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512
     )  # wide enough that the two kernels round differently on some of these rows
@@ -501,7 +576,7 @@ def test_tau_one_at_batch_one_is_generate_bit_for_bit_in_bf16():
         )
         tokens = out.sequences[0, len(prompt) :].tolist()
         logprobs = [
-            torch.log_softmax(step[0].float(), dim=-1)[token].item()
+            torch.log_softmax(without_mask(step[0].float()), dim=-1)[token].item()
             for step, token in zip(out.logits, tokens, strict=True)
         ]
         assert result.tokens == tokens

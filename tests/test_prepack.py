@@ -10,7 +10,8 @@ import torch
 from mars_ray import models
 from mars_ray.core.prepack import PackedLinear, can_prepack, prepack_linears
 from mars_ray.serve.config import ModelConfig
-from mars_ray.serve.engine import Engine, SamplingParams
+from mars_ray.serve.engine import Engine
+from mars_ray.serve.types import SamplingParams
 
 BF16_NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 

@@ -14,10 +14,12 @@ import torch
 
 from mars_ray import models
 from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.errors import ConfigError
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve.config import ModelConfig
-from mars_ray.serve.engine import Engine, RequestError, SamplingParams
+from mars_ray.serve.engine import Engine
 from mars_ray.serve.text import TextStream
+from mars_ray.serve.types import RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -315,8 +317,100 @@ def test_verified_requests_are_greedy_and_say_so(tiny):
         greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)
         assert text == tokenizer.decode(greedy[0, len(prompt) :], skip_special_tokens=True)
         assert (last.mode, last.tau) == ("verify", 0.3)
-    assert done[3][1].mode == "mars" and done[4][1].mode == "mars"
+    # The verified mode's tau is no lossy operating point: the requests it does not verify decode exactly.
+    assert (done[3][0], done[3][1].mode, done[3][1].tau) == (done[0][0], "ar", 1.0)
+    assert (done[4][1].mode, done[4][1].tau) == ("ar", 1.0)
     assert refused == "verify"
+
+
+def test_sampled_requests_never_decode_lossy_at_the_verify_rung(tiny):
+    """The controller's verify rung (lossless, its tau below the operator's `tau_min`) reached mid-request:
+    a sampled request that follows the operating point decodes at tau 1 there, exactly as a seeded run alone
+    at tau 1; one that pins its own tau keeps it."""
+    model, tokenizer = tiny
+    prompt = prompts_of(tokenizer, 1)[0]
+    follows = SamplingParams(max_tokens=40, temperature=0.9, seed=7, ignore_eos=True)
+    pinned = dataclasses.replace(follows, tau=0.8)
+
+    async def run():
+        engine = make_engine(tiny, tau=1.0, block_size=4)
+        streams = [engine.generate(prompt, follows), engine.generate(prompt, pinned)]
+        texts = [[(await anext(s)).text, (await anext(s)).text] for s in streams]
+        engine.tau, engine.verify = 0.5, True  # the rung at verify_tau 0.5, tau_min 0.7
+        lasts = []
+        for stream, text in zip(streams, texts, strict=True):
+            chunks = [c async for c in stream]
+            text += [c.text for c in chunks]
+            lasts.append(chunks[-1])
+        return ["".join(t) for t in texts], lasts
+
+    (text, _), (last, pinned_last) = asyncio.run(run())
+    assert (last.mode, last.tau) == ("ar", 1.0) and last.forward_passes == last.completion_tokens == 40
+    assert (pinned_last.mode, pinned_last.tau) == ("mars", 0.8)
+    config = DecodeConfig.for_model(model, tokenizer, 4, max_new_tokens=40, temperature=0.9, seed=7)
+    config = dataclasses.replace(config, stop_token_ids=())
+    alone = decode_cached(model, [prompt], tokenizer.mask_token_id, config, tokenizer.pad_token_id)[0]
+    assert text == tokenizer.decode(alone.tokens, skip_special_tokens=True)
+
+
+def test_leaving_verified_decoding_mid_request_keeps_the_greedy_text(tiny):
+    """The controller leaves the verify rung (or a deploy drops `verify_tau`) while greedy requests carry
+    drafts: after the switch to lossy tau 1 every reply is still exactly `generate`'s."""
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer, 4)
+
+    async def run():
+        engine = make_engine(tiny, verify=True, tau=1e-4, max_batch_size=4)  # every proposal is carried
+        streams = [engine.generate(p, SamplingParams(max_tokens=64)) for p in prompts]
+        texts = [[] for _ in streams]
+        for _ in range(3):  # the accepted chunk, then two of text
+            for stream, text in zip(streams, texts, strict=True):
+                text.append((await anext(stream)).text)
+        engine.tau, engine.verify = 1.0, False
+        for stream, text in zip(streams, texts, strict=True):
+            text += [c.text async for c in stream]
+        return ["".join(t) for t in texts]
+
+    for prompt, text in zip(prompts, asyncio.run(run()), strict=True):
+        greedy = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=64)
+        assert text == tokenizer.decode(greedy[0, len(prompt) :], skip_special_tokens=True)
+
+
+def test_a_context_past_the_models_limit_is_refused(tiny):
+    model, _ = tiny
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ConfigError) as error:
+        make_engine(tiny, max_context=limit + 1)
+    assert error.value.field == "max_context"
+    assert make_engine(tiny, max_context=limit).max_context == limit
+
+
+def test_logprobs_are_the_plain_models_own(tiny):
+    """The tiny preset is a plain model that MARS gave a mask row (appended past its vocabulary): reported
+    log-probabilities, of generated tokens and of an echoed prompt, are log_softmax of the logits the model
+    had before the row, not a softmax the mask row dilutes."""
+    model, tokenizer = tiny
+    mask = tokenizer.mask_token_id
+    assert mask == model.get_output_embeddings().weight.shape[0] - 1  # the row MARS added, last
+    prompt = prompts_of(tokenizer, 1)[0]
+
+    async def run():
+        engine = make_engine(tiny)
+        params = SamplingParams(max_tokens=12, tau=1.0, logprobs=2, ignore_eos=True)
+        chunks = [c async for c in engine.generate(prompt, params)]
+        return chunks, await engine.prompt_logprobs(prompt, 2)
+
+    chunks, echoed = asyncio.run(run())
+    tokens = [t for c in chunks for t in c.token_ids]
+    with torch.no_grad():
+        original = model(torch.tensor([prompt + tokens])).logits[0, :, :mask]  # the model before the row
+    expected = torch.log_softmax(original.float(), dim=-1)
+    got = [lp.logprob for c in chunks for lp in c.logprobs or []]
+    assert got == pytest.approx(
+        [expected[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)], abs=1e-5
+    )
+    echo = [lp.logprob for lp in echoed[1:]]
+    assert echo == pytest.approx([expected[i, t].item() for i, t in enumerate(prompt[1:])], abs=1e-5)
 
 
 def test_window_defaults_to_the_trained_block_size(tiny):

@@ -37,13 +37,16 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from mars_ray import cli_args, models
 from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.bench.machine import cpu_name
+from mars_ray.core import gated
 from mars_ray.core.compile import compile_steps
 from mars_ray.core.decoding import DecodeConfig, RaggedCache, decode_block_cached, decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import ModelConfig
-from mars_ray.serve.engine import Engine, SamplingParams
+from mars_ray.serve.engine import Engine
+from mars_ray.serve.types import SamplingParams
+from mars_ray.train.config import LoraSettings
 
 Method = Literal[
     "ar",
@@ -405,6 +408,11 @@ class ForwardBenchConfig(BaseModel):
         False,
         description="also time the steps with linear weights packed for oneDNN (bf16 on a CPU that has it)",
     )
+    gated_rank: PositiveInt | None = Field(
+        None,
+        description="also time the steps of the model with a gated adapter of this rank on every attention"
+        " and MLP projection (`lora.gated`; its delta runs at the mask slots only), beside the plain model",
+    )
     output: Path | None = Field(None, description="JSON path")
 
 
@@ -414,7 +422,7 @@ class StepTime:
     window: int
     milliseconds: float  # median over the timed steps
     ratio: float  # over the smallest window's time at the same batch, same forward
-    forward: str = "eager"  # eager, packed (prepacked weights), compiled, or packed + compiled
+    forward: str = "eager"  # eager, packed (prepacked weights), compiled, packed + compiled, or gated rN
     eager_ratio: float = 1.0  # eager's time over this one's, same batch and window
 
 
@@ -438,6 +446,11 @@ def run_forward_bench(config: ForwardBenchConfig) -> list[StepTime]:
             prepack_linears(forwards[name])
         if compiled:
             compile_steps(forwards[name])
+    if config.gated_rank:  # a fresh adapter: its cost does not depend on what it has learned
+        name = f"gated r{config.gated_rank}"
+        forwards[name], _ = _load(config.model, config)
+        rank, targets = config.gated_rank, LoraSettings().target_modules
+        gated.attach(forwards[name], gated.GatedSpec(config.model, rank, 2.0 * rank, targets))
     device, vocab = model.device, model.config.vocab_size
     results = []
     for batch in config.batch_sizes:

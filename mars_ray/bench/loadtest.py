@@ -177,6 +177,7 @@ def start_server(args: argparse.Namespace) -> str:
         "max_ongoing_requests": max(64, 2 * args.concurrency),
         "stream_interval_s": args.stream_interval_s,
         "compile": args.compile,
+        "engine": args.engine,
     }
     serve.run(build_app({"models": [model]}), name="mars-bench", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
     )
+    parser.add_argument(
+        "--engine", choices=["native", "vllm"], default="native", help="what decodes in the replica"
+    )
     parser.add_argument("--output", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
         f"concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}, "
-        f"stream interval {args.stream_interval_s} s, {'compiled' if args.compile else 'eager'} steps"
+        f"stream interval {args.stream_interval_s} s, {'compiled' if args.compile else 'eager'} steps, "
+        f"{args.engine} engine"
     )
     print(table(rows))
     if args.output:

@@ -210,6 +210,20 @@ class DecodeState:
         """Tokens it may still produce."""
         return self.config.max_new_tokens - len(self.tokens)
 
+    @property
+    def window(self) -> int:
+        """Slots its next forward reads: its config's window, capped by the tokens it may still produce
+        after its drafts. A mask past them could only propose a token past the budget, and would take a
+        position past the context (at its end, past the model's `max_position_embeddings`)."""
+        return min(self.config.window, self.room - len(self.drafts))  # >= 1: drafts < room, always
+
+    def reconfigure(self, config: DecodeConfig) -> None:
+        """Decode with `config` from the next forward on. A row that no longer verifies drops its drafts:
+        they are not cached yet, and a lossy forward would feed (and cache) them without outputting them."""
+        self.config = config
+        if not config.verify:
+            self.drafts = []
+
     def take(self, proposed: Sequence[int], confidence: Sequence[float]) -> list[int]:
         """Accept the prefix of the proposed window that tau allows; return the committed tokens."""
         cfg = self.config
@@ -231,12 +245,13 @@ class DecodeState:
             self.finish_reason = "length"
         return new
 
-    def record_logprobs(self, new: Sequence[int], logits: torch.Tensor) -> None:
-        """Log-probabilities of the tokens just committed, `logits` [len(new), V] the slots they came from."""
+    def record_logprobs(self, new: Sequence[int], logits: torch.Tensor, mask_id: int | None) -> None:
+        """Log-probabilities of the tokens just committed, `logits` [len(new), V] the slots they came from
+        (normalised without the mask token, see `text_log_probs`)."""
         k = self.config.logprobs
         if k is None or not new:
             return
-        log_probs = torch.log_softmax(logits[: len(new)].float(), dim=-1)
+        log_probs = text_log_probs(logits[: len(new)], mask_id)
         index = torch.tensor(list(new), device=log_probs.device)[:, None]
         chosen = log_probs.gather(-1, index)[:, 0].tolist()
         values, ids = (t.tolist() for t in log_probs.topk(k, dim=-1))
@@ -254,20 +269,35 @@ class DecodeState:
         )
 
 
+def text_log_probs(logits: torch.Tensor, mask_id: int | None) -> torch.Tensor:
+    """fp32 log-probabilities over the vocabulary less the mask token, which is not text: a plain model that
+    MARS gave a mask row reports the log-probabilities it reported before, not a softmax that row dilutes."""
+    logits = logits.float()
+    if mask_id is not None and mask_id < logits.shape[-1]:
+        logits = logits.clone()
+        logits[..., mask_id] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)
+
+
 def propose(
     logits: torch.Tensor,
     seqs: Sequence[DecodeState],
     first_slot: Sequence[int] | None = None,
     mask_id: int | None = None,
+    slots: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
     """Per slot, the greedy (or Gumbel-max sampled) token and its fp32 probability. logits: [n, W, V].
 
-    A row's window starts at column `first_slot[row]` (default 0: the whole row is one window); its
-    `slot_temperatures` scale its slots' logits before the probability is read. A mask slot (after the
-    first) never proposes the mask token or an id at or past the row's `vocab_limit` (padded embedding
-    rows): neither is text. The first slot is the model's own greedy choice, exactly as `generate`'s.
+    A row's window starts at column `first_slot[row]` (default 0) and is `slots[row]` columns wide (default:
+    to the end); its `slot_temperatures` scale its slots' logits before the probability is read. A mask slot
+    (after the first) never proposes the mask token or an id at or past the row's `vocab_limit` (padded
+    embedding rows): neither is text. The first slot is the model's own greedy choice, exactly as
+    `generate`'s; a sampling row never draws the mask in any slot (`text_log_probs` leaves it out too). It
+    draws for its own window's slots only: its random stream, and so a seeded row's tokens, never depend on
+    how wide its neighbours' windows made the batch.
     """
     first_slot = first_slot or [0] * len(seqs)
+    slots = slots or [logits.shape[1] - start for start in first_slot]
     logits = _never_in_mask_slots(logits.float(), seqs, first_slot, mask_id)
     logits = _no_stop_before_min_tokens(logits, seqs, first_slot)
     tokens = logits.argmax(dim=-1)
@@ -278,13 +308,17 @@ def propose(
         cfg = seq.config
         if cfg.temperature <= 0:
             continue
-        row = torch.softmax(logits[i].cpu() / cfg.temperature, dim=-1)
+        own = slice(first_slot[i], first_slot[i] + slots[i])
+        scores = logits[i, own].cpu() / cfg.temperature
+        if mask_id is not None and mask_id < scores.shape[-1]:
+            scores[:, mask_id] = float("-inf")  # not text, in no slot: the model's own text distribution
+        row = torch.softmax(scores, dim=-1)
         if cfg.top_p < 1.0:
             row = _top_p(row, cfg.top_p)
         gumbel = -torch.log(-torch.log(torch.rand(row.shape, generator=seq.generator).clamp_min(1e-20)))
         choice = (row.log() + gumbel).argmax(dim=-1)
-        tokens[i] = choice.to(tokens.device)
-        confidence[i] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
+        tokens[i, own] = choice.to(tokens.device)
+        confidence[i, own] = row.gather(-1, choice[:, None])[:, 0].to(confidence.device)
     return tokens.tolist(), confidence.tolist(), logits
 
 
@@ -353,17 +387,17 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def decode_reference(
     model: PreTrainedModel, prompt: Sequence[int], mask_id: int, config: DecodeConfig
 ) -> DecodeResult:
-    """The ground truth: each step recomputes `[prompt + output, MASK x W]` with plain causal attention."""
+    """The ground truth: each step recomputes `[prompt + output, MASK x (W - 1)]` (W: `DecodeState.window`)
+    with plain causal attention."""
     seq = DecodeState(list(prompt), config)
-    width = config.block_size
     while not seq.finished:
-        context = seq.prompt + seq.tokens
-        ids = torch.tensor([context + [mask_id] * width], device=model.device)
-        logits = model(input_ids=ids).logits[:, len(context) - 1 : len(context) - 1 + width]
+        context, width = seq.prompt + seq.tokens, seq.window
+        ids = torch.tensor([context + [mask_id] * (width - 1)], device=model.device)
+        logits = model(input_ids=ids).logits[:, len(context) - 1 :]
         seq.forward_passes += 1
         tokens, confidence, read = propose(logits, [seq], mask_id=mask_id)
-        new = seq.take(tokens[0][: config.window], confidence[0][: config.window])
-        seq.record_logprobs(new, read[0])
+        new = seq.take(tokens[0], confidence[0])
+        seq.record_logprobs(new, read[0], mask_id)
     return seq.result()
 
 
@@ -630,8 +664,8 @@ class SlidingDecoder:
         self._join()
         if not self.seqs:
             return []
-        tokens, confidence, anchor, logits = self._propose()
-        accepted = self._accept(tokens, confidence, anchor, logits)
+        tokens, confidence, anchor, logits, windows = self._propose()
+        accepted = self._accept(tokens, confidence, anchor, logits, windows)
         stepped = list(zip(self.seqs, accepted, strict=True))
         self._advance(accepted)
         return stepped
@@ -667,35 +701,45 @@ class SlidingDecoder:
         self.joining = [self.joining[r] for r in waiting]
         self.unprefilled = [self.unprefilled[r] for r in waiting]
 
-    def _propose(self) -> tuple[list[list[int]], list[list[float]], int, torch.Tensor]:
+    def _propose(self) -> tuple[list[list[int]], list[list[float]], int, torch.Tensor, list[int]]:
         """Forward every row's `[uncached | drafts | masks]`, right-aligned: the greedy token and the
         confidence at each of the last columns, the column of every row's last real token (its slot 0; its
-        drafts' predictions come just before, its masks' slots just after), and the logits read there."""
-        window = max(s.config.window for s in self.seqs)
+        drafts' predictions come just before, its masks' slots just after), the logits read there, and
+        each row's window (`DecodeState.window`). Masks past a row's own window are holes: a row near the
+        end of its budget never takes a position past it, whatever its neighbours' windows."""
+        windows = [s.window for s in self.seqs]
+        window = max(windows)
         masks = [self.mask_id] * (window - 1)
         rows = [u + s.drafts + masks for u, s in zip(self.uncached, self.seqs, strict=True)]
         ids, real = right_align(rows, self.pad_id)
+        for row, own in enumerate(windows):
+            real[row, ids.shape[1] - (window - own) :] = False
         keep = ids.shape[1] - (window - 1)  # the masks' keys and values are dropped
         anchor = max(len(s.drafts) for s in self.seqs)
         device = self.cache.device
         logits = self.cache.forward(ids.to(device), real.to(device), keep, anchor + window)
         first_slot = [anchor] * len(self.seqs)
-        tokens, confidence, read = propose(logits, self.seqs, first_slot, self.mask_id)
-        return tokens, confidence, anchor, read
+        tokens, confidence, read = propose(logits, self.seqs, first_slot, self.mask_id, windows)
+        return tokens, confidence, anchor, read, windows
 
     def _accept(
-        self, tokens: list[list[int]], confidence: list[list[float]], anchor: int, logits: torch.Tensor
+        self,
+        tokens: list[list[int]],
+        confidence: list[list[float]],
+        anchor: int,
+        logits: torch.Tensor,
+        windows: list[int],
     ) -> list[list[int]]:
         """Each row commits its tokens: the window prefix its tau accepts, or (verify) the longest run of
         drafts that greedy decoding agrees with plus the greedy token after it. Rejected drafts become
         holes in the cache; a verifying row whose drafts all held carries its masks' confident proposals."""
         accepted, rejected = [], []
-        for row, seq in enumerate(self.seqs):
+        for row, (seq, width) in enumerate(zip(self.seqs, windows, strict=True)):
             seq.forward_passes += 1
-            window = slice(anchor, anchor + seq.config.window)
+            window = slice(anchor, anchor + width)
             if not seq.config.verify:
                 accepted.append(seq.take(tokens[row][window], confidence[row][window]))
-                seq.record_logprobs(accepted[-1], logits[row, window])
+                seq.record_logprobs(accepted[-1], logits[row, window], self.mask_id)
                 rejected.append(0)
                 continue
             drafts = seq.drafts
@@ -705,13 +749,11 @@ class SlidingDecoder:
                 (i for i, (d, g) in enumerate(zip(drafts, greedy, strict=False)) if d != g), len(drafts)
             )
             accepted.append(seq.commit(greedy[: held + 1], drafted=len(drafts)))
-            seq.record_logprobs(accepted[-1], logits[row, checked])
+            seq.record_logprobs(accepted[-1], logits[row, checked], self.mask_id)
             rejected.append(len(drafts) - held)
             seq.drafts = []
             if held == len(drafts) and not seq.finished:
-                carry = accept_length(
-                    confidence[row][window], seq.config.tau, min(seq.config.window, seq.room)
-                )
+                carry = accept_length(confidence[row][window], seq.config.tau, min(width, seq.room))
                 seq.drafts = tokens[row][window][1:carry]
         self.cache.forget_last(rejected)
         return accepted

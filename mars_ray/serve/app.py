@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import jinja2
@@ -39,7 +40,7 @@ from mars_ray.data import chat_ids, chat_prompt_ids
 from mars_ray.serve import access
 from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
 from mars_ray.serve.controller import OperatingPoint, TauController
-from mars_ray.serve.engine import Chunk, Engine, EngineMetrics, EngineStats, RequestError, SamplingParams
+from mars_ray.serve.engine import Engine, EngineMetrics
 from mars_ray.serve.policy import tau_first_policy
 from mars_ray.serve.schema import (
     ChatCompletionRequest,
@@ -50,9 +51,13 @@ from mars_ray.serve.schema import (
     error_body,
     error_param,
 )
+from mars_ray.serve.stats import EngineStats
+from mars_ray.serve.types import Chunk, RequestError, SamplingParams
+from mars_ray.serve.vllm_engine import VllmEngine
 
 logger = logging.getLogger(__name__)
 api = FastAPI(title="mars-ray", description="OpenAI-compatible serving of MARS multi-token models")
+api.add_middleware(access.BodyLimit)  # inside the key check: a caller without the key sends no body
 api.middleware("http")(access.check_access)
 
 
@@ -88,14 +93,17 @@ async def _replica_lost(request: Request, error: RayError) -> JSONResponse:
     body (the client may retry: Serve replaces the replica), not a bare 500."""
     if isinstance(error, RequestError):  # the engine's 400, wrapped by Ray in a class that is both
         return await _unservable_request(request, error)
-    message = f"the model's replica failed: {_cause(error)}"
+    message = _logged("the model's replica failed", error)
     body = error_body(message, kind="server_error", code="replica_failed")
     return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
 
-def _cause(error: BaseException) -> str:
-    """The first line of an error's message (Ray's carry a whole remote traceback)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+def _logged(what: str, error: BaseException) -> str:
+    """What a client is told of an internal error: `what` and an id. The error itself (Ray's pid, address and
+    actor, a torch message, the remote traceback) goes to the log only, under that id."""
+    error_id = uuid.uuid4().hex[:16]
+    logger.error("%s (error id %s)", what, error_id, exc_info=error)
+    return f"{what} (error id {error_id})"
 
 
 def _overloaded(error: BackPressureError) -> JSONResponse:
@@ -202,16 +210,21 @@ class ServeMetrics(EngineMetrics):
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class StatusBoard:
-    """Where every engine replica posts its operating point each tick; read by `GET /v1/status`."""
+    """Where every engine replica posts its operating point each tick; read by `GET /v1/status`.
+
+    Every method is async, here and on `EngineDeployment`: Serve runs a sync method in a thread pool, where
+    it would race the event loop's (or another call's) changes to the same state (iterating `replicas` while
+    a post grows it, reading the engine's deques while a forward appends to them); async, they run one at a
+    time on the replica's event loop."""
 
     def __init__(self, stale_after_s: float = 5.0) -> None:
         self.stale_after_s = stale_after_s
         self.replicas: dict[str, dict] = {}
 
-    def post(self, replica: str, status: dict) -> None:
+    async def post(self, replica: str, status: dict) -> None:
         self.replicas[replica] = {**status, "posted": time.time()}
 
-    def snapshot(self) -> dict[str, dict[str, dict]]:
+    async def snapshot(self) -> dict[str, dict[str, dict]]:
         """{model: {replica id: status}}, replicas silent for `stale_after_s` dropped (they are gone)."""
         now = time.time()
         self.replicas = {r: s for r, s in self.replicas.items() if now - s["posted"] < self.stale_after_s}
@@ -235,11 +248,12 @@ class EngineDeployment:
         self.config, self.board = config, board
         self.controller: TauController | None = None
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.engine = await asyncio.to_thread(Engine.load, config, ServeMetrics(config.served_name))
+        engine = VllmEngine if config.engine == "vllm" else Engine
+        self.engine = await asyncio.to_thread(engine.load, config, ServeMetrics(config.served_name))
         await self.engine.warm_up()
         self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
 
-    def reconfigure(self, user_config: dict) -> None:
+    async def reconfigure(self, user_config: dict) -> None:
         objective = TauObjective.model_validate(user_config)
         if self.controller is None:
             self.controller = TauController(objective, time.monotonic())
@@ -259,19 +273,18 @@ class EngineDeployment:
                 self.engine.refresh_gauges()
                 if self.controller:
                     self._operate(self.controller.update(stats, time.monotonic()))
-                await self.board.post.remote(self.replica, self.status(stats))
+                await self.board.post.remote(self.replica, self._status(stats))
             except Exception:  # a missed tick must not stop the next one
                 logger.exception("controller tick failed")
 
-    def status(self, stats: EngineStats | None = None) -> dict:
-        stats = stats or self.engine.stats()
+    def _status(self, stats: EngineStats) -> dict:
         status = {"model": self.config.served_name, "pid": os.getpid(), "stats": dataclasses.asdict(stats)}
         if self.controller:
             status["controller"] = dataclasses.asdict(self.controller.state)
             status["objective"] = self.controller.objective.model_dump()
         return status
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
+    async def record_autoscaling_stats(self) -> dict[str, float]:
         if self.controller is None:
             return {}
         state = self.controller.state
@@ -288,16 +301,19 @@ class EngineDeployment:
 
     async def complete(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
         ids = self.engine.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-        echoed = None
-        if params.echo:  # the prompt, first, in the request's first chunk
-            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
-            logprobs = None
-            if params.logprobs is not None and ids:
-                logprobs = await self.engine.prompt_logprobs(ids, params.logprobs)
-            echoed = Chunk(text, len(ids), 0, 0, token_ids=list(ids), logprobs=logprobs)
-        async for chunk in self.engine.generate(ids, params, "prompt"):
-            yield echoed.then(chunk) if echoed else chunk
-            echoed = None
+        async with contextlib.aclosing(self.engine.generate(ids, params, "prompt")) as chunks:
+            # The request's first chunk: it is checked (a 400 naming the field) and queued, before echo
+            # decodes the prompt or runs a forward over it.
+            first = await anext(chunks)
+            if params.echo:  # the prompt, first, in the request's first chunk
+                text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = await self.engine.prompt_logprobs(ids, params.logprobs)
+                first = Chunk(text, len(ids), 0, 0, token_ids=list(ids), logprobs=logprobs).then(first)
+            yield first
+            async for chunk in chunks:
+                yield chunk
 
     async def chat_whole(self, messages: list[dict], params: SamplingParams) -> Chunk:
         """A request that does not stream: its chunks merged here, so one message crosses to the ingress
@@ -307,7 +323,7 @@ class EngineDeployment:
     async def complete_whole(self, prompt: str | list[int], params: SamplingParams) -> Chunk:
         return await _merged(self.complete(prompt, params))
 
-    def tokenize(self, source: str | list[dict], add_generation_prompt: bool) -> list[int]:
+    async def tokenize(self, source: str | list[dict], add_generation_prompt: bool) -> list[int]:
         """A prompt's token ids, or a chat's through the model's template (vLLM's /tokenize)."""
         tokenizer = self.engine.tokenizer
         if isinstance(source, str):
@@ -319,18 +335,17 @@ class EngineDeployment:
         except jinja2.TemplateError as error:
             raise RequestError(f"the chat template rejected the messages: {error}", "messages") from None
 
-    def detokenize(self, tokens: list[int]) -> str:
-        if not all(0 <= token < self.engine.vocab_size for token in tokens):
-            raise RequestError(f"token ids must be in [0, {self.engine.vocab_size})", "tokens")
+    async def detokenize(self, tokens: list[int]) -> str:
+        self.engine.check_token_ids(tokens, "tokens")
         return self.engine.tokenizer.decode(tokens)
 
-    def max_model_len(self) -> int:
+    async def max_model_len(self) -> int:
         return self.engine.max_context
 
-    def stats(self) -> EngineStats:
+    async def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def ready(self) -> bool:
+    async def ready(self) -> bool:
         return True
 
 
@@ -416,7 +431,8 @@ class OpenAIIngress:
         try:
             await asyncio.wait_for(asyncio.gather(*(ready(h) for h in self.engines.values())), timeout=5)
         except Exception as error:
-            return JSONResponse({"status": "unavailable", "reason": repr(error)}, status_code=503)
+            reason = _logged("a model has no replica ready", error)
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @api.get("/v1/status")
@@ -541,7 +557,7 @@ class OpenAIIngress:
                 yield _event(builder.usage_piece(lasts))
             yield _event("[DONE]")
         except Exception as error:  # the status line is gone: report in the stream, then end it
-            yield _event(error_body(f"generation failed: {_cause(error)}", kind="server_error"))
+            yield _event(error_body(_logged("generation failed", error), kind="server_error"))
             yield _event("[DONE]")
         finally:
             for stream, last in zip(streams, lasts, strict=True):

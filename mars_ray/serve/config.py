@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from mars_ray.vllm.config import ENGINE_HELP, Engine
+
 API_KEY_VARIABLE = "MARS_RAY_API_KEY"
 
 
@@ -55,6 +57,7 @@ class ModelConfig(BaseModel):
         "auto", description="weights' dtype (auto: as saved); bfloat16 pays on a CPU with AMX or AVX512-BF16"
     )
     device: str = Field("cpu", description="torch device of each replica (cuda: give it num_gpus)")
+    engine: Engine = Field("native", description=ENGINE_HELP)
     tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
     verify: bool = Field(
         False,

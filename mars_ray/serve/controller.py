@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mars_ray.serve.config import TauObjective
-from mars_ray.serve.engine import EngineStats
+from mars_ray.serve.stats import EngineStats
 
 
 @dataclass(frozen=True)

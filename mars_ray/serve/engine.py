@@ -16,9 +16,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,107 +28,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from mars_ray import models
 from mars_ray.core.compile import compile_steps
 from mars_ray.core.decoding import (
-    TRAINED_BLOCK_SIZE,
     DecodeConfig,
     DecodeState,
     SlidingDecoder,
     TokenLogprob,
 )
-from mars_ray.core.errors import ConfigError
 from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.rules import RequestRules, point_for
+from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.text import TextStream
+from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 
 logger = logging.getLogger(__name__)
-MAX_UNTRAINED_BLOCK_SIZE = 16  # the widest window a model that records no trained B may be asked for
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (HTTP 400); `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, param)  # both in `args`, so the error pickles across Ray intact
-        self.message, self.param = message, param
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks for. `tau` / `block_size` / `verify` None: follow the replica's operating point."""
-
-    max_tokens: int | None = None
-    tau: float | None = None
-    block_size: int | None = None
-    verify: bool | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # each token's log-probability and this many alternatives
-    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the reply (as the model's EOS does)
-    ignore_eos: bool = False  # the model's own stop tokens do not end it (max_tokens does)
-    min_tokens: int = 0  # no stop token before this many tokens
-    include_stop_str_in_output: bool = False  # a stop string ends the text after itself
-    echo: bool = False  # completions: the reply starts with the prompt (and its log-probabilities)
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """A generated token's text and log-probability, and the likeliest alternatives (see `DecodeConfig`)."""
-
-    token: str
-    logprob: float | None  # None: echo's first prompt token, which nothing predicts
-    top: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass
-class Chunk:
-    """One streamed piece of a request: new text, and the request's counters so far."""
-
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    forward_passes: int
-    finish_reason: str | None = None  # "stop" or "length" on the last chunk
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # decoded since the last chunk
-    tau: float = 1.0  # the operating point the request decoded at, as of this chunk
-    mode: str = "ar"  # "ar" (one token per forward), "mars" (lossy, tau < 1) or "verify" (lossless)
-    logprobs: list[Logprob] | None = None  # of this chunk's completion tokens (and echo's prompt), if asked
-
-    def then(self, later: Chunk) -> Chunk:
-        """This chunk followed by a later one, as one chunk."""
-        logprobs = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
-        return dataclasses.replace(
-            later,
-            text=self.text + later.text,
-            token_ids=self.token_ids + later.token_ids,
-            logprobs=logprobs,
-        )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A cheap snapshot of the replica: its operating point, its load and its recent speed and latency."""
-
-    tau: float
-    block_size: int
-    waiting: int
-    running: int
-    max_batch_size: int
-    tokens_per_s: float  # generated tokens over the last `window_s`
-    forwards_per_s: float
-    tokens_per_forward: float  # per row and forward, recent
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    itl_p50_s: float | None
-    itl_p95_s: float | None
-    window_s: float
-    generated_tokens: int  # totals since start
-    forward_passes: int
-    finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
-    verify: bool = False  # the operating mode: verified decoding for greedy requests that do not choose
 
 
 class EngineMetrics:
@@ -236,13 +147,6 @@ def _load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return models.load(config.model, dtype=dtype, device=config.device)
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
-
-
 class Engine:
     """Continuous batching of MARS decoding for one model; `generate` streams `Chunk`s per request."""
 
@@ -257,16 +161,12 @@ class Engine:
         """`executor`: the thread that runs the engine's forwards; by default the engine's own."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = metrics or EngineMetrics()
-        self.max_context = config.max_context or int(model.config.max_position_embeddings)
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        trained = getattr(model.config, TRAINED_BLOCK_SIZE, None)
-        self.max_block_size = config.max_block_size or trained or MAX_UNTRAINED_BLOCK_SIZE
         # Stops, calibrated temperatures: what every request's config starts from.
-        self.decode = DecodeConfig.for_model(model, tokenizer, config.block_size, allow_wider=True)
-        if self.decode.block_size > self.max_block_size:
-            raise ConfigError(
-                "block_size", f"{self.decode.block_size} exceeds max_block_size {self.max_block_size}"
-            )
+        decode = DecodeConfig.for_model(model, tokenizer, config.block_size, allow_wider=True)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        self.rules = RequestRules.of(config, model.config, decode, vocab_size)
+        self.decode, self.vocab_size = decode, vocab_size
+        self.max_context, self.max_block_size = self.rules.max_context, self.rules.max_block_size
         self._own_executor = executor is None
         self._executor = executor or _decode_thread()
         if config.compile:
@@ -281,12 +181,7 @@ class Engine:
         self._stopped: list[DecodeState] = []  # rows a stop string ended, still in the decoder
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._started = time.monotonic()
-        self._steps: deque[tuple[float, int, int]] = deque()  # (time, rows, tokens) within the window
-        self._ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # the most recent, within the window
-        self._itl: deque[tuple[float, float]] = deque(maxlen=4096)
-        self._generated = self._forwards = 0
-        self._finished: Counter[str] = Counter()
+        self._recorder = StatsRecorder(config.stats_window_s)
         self.metrics.tau(self._tau)
 
     @classmethod
@@ -314,8 +209,7 @@ class Engine:
 
     @tau.setter
     def tau(self, tau: float) -> None:
-        if not 0 < tau <= 1:
-            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        self.rules.check_tau(tau)
         self._tau = tau
         self.metrics.tau(tau)
 
@@ -333,8 +227,7 @@ class Engine:
 
     @block_size.setter
     def block_size(self, block_size: int) -> None:
-        if not 1 <= block_size <= self.max_block_size:
-            raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
+        self.rules.check_block_size(block_size)
         self._block_size = block_size
 
     async def generate(
@@ -374,67 +267,30 @@ class Engine:
                 self._cancelled.append(request)
                 self._wake.set()
 
+    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
+        self.rules.check_token_ids(tokens, field)
+
+    def check_prompt(self, prompt: Sequence[int], field: str) -> int:
+        return self.rules.check_prompt(prompt, field)
+
     def _new_request(self, prompt: list[int], params: SamplingParams, prompt_field: str) -> _Request:
-        if not prompt:
-            raise RequestError("the prompt is empty", prompt_field)
-        if not all(0 <= token < self.vocab_size for token in prompt):
-            raise RequestError(f"token ids must be in [0, {self.vocab_size})", prompt_field)
-        room = self.max_context - len(prompt)
-        if room < 1:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context}",
-                prompt_field,
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else min(self.config.max_tokens, room)
-        if max_tokens > room:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together more than "
-                f"this model's context of {self.max_context}",
-                "max_tokens",
-            )
-        if not all(0 <= token < self.vocab_size for token in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})", "stop_token_ids")
-        stops = () if params.ignore_eos else self.decode.stop_token_ids
-        block_size = self._block_size if params.block_size is None else params.block_size
-        if not 1 <= block_size <= self.max_block_size:
-            raise RequestError(f"block_size must be in [1, {self.max_block_size}]", "block_size")
-        try:
-            config = dataclasses.replace(
-                self.decode,
-                tau=self._tau if params.tau is None else params.tau,
-                block_size=block_size,
-                verify=self._verify_for(params),
-                max_new_tokens=max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-                logprobs=params.logprobs,
-                stop_token_ids=tuple(dict.fromkeys(stops + params.stop_token_ids)),
-                min_tokens=min(params.min_tokens, max_tokens),
-            )
-        except ConfigError as error:
-            field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
-            raise RequestError(error.message, field) from None
+        tau, verify, block_size = self._tau, self._verify, self._block_size
+        config = self.rules.decode_config(prompt, params, prompt_field, tau, verify, block_size)
         text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
         return _Request(DecodeState(prompt, config), text, params)
-
-    def _verify_for(self, params: SamplingParams) -> bool:
-        """A request's own choice; else the replica's mode, where it applies (verification is greedy)."""
-        if params.verify is not None:
-            return params.verify
-        return self._verify and params.temperature == 0
 
     async def prompt_logprobs(self, prompt: Sequence[int], k: int) -> list[Logprob]:
         """Each prompt token's log-probability given the tokens before it, and its k likeliest alternatives
         (for `echo`): one plain forward over the prompt on the decode thread, between two steps. The first
         token has none."""
+        self.check_prompt(prompt, "prompt")  # before the forward: out of the vocabulary or the context
 
         def forward() -> list[TokenLogprob]:
             with torch.inference_mode():
                 ids = torch.tensor([list(prompt)], device=self.model.device)
                 logits = self.model(input_ids=ids).logits[0, :-1]
             state = DecodeState(list(prompt), dataclasses.replace(self.decode, logprobs=k))
-            state.record_logprobs(list(prompt[1:]), logits)
+            state.record_logprobs(list(prompt[1:]), logits, self.tokenizer.mask_token_id)
             return state.logprobs
 
         recorded = await asyncio.get_running_loop().run_in_executor(self._executor, forward)
@@ -480,36 +336,15 @@ class Engine:
             self._executor.shutdown(wait=True)
 
     def stats(self) -> EngineStats:
-        now = time.monotonic()
-        self._forget_before(now - self.config.stats_window_s)
-        span = min(self.config.stats_window_s, now - self._started) or 1.0
-        rows = sum(r for _, r, _ in self._steps)
-        tokens = sum(t for _, _, t in self._steps)
-        ttft, itl = [v for _, v in self._ttft], [v for _, v in self._itl]
-        return EngineStats(
-            tau=self._tau,
-            block_size=self._block_size,
-            waiting=len(self._waiting),
-            running=len(self._running),
-            max_batch_size=self.config.max_batch_size,
-            tokens_per_s=tokens / span,
-            forwards_per_s=len(self._steps) / span,
-            tokens_per_forward=tokens / rows if rows else 0.0,
-            ttft_p50_s=_percentile(ttft, 0.5),
-            ttft_p95_s=_percentile(ttft, 0.95),
-            itl_p50_s=_percentile(itl, 0.5),
-            itl_p95_s=_percentile(itl, 0.95),
-            window_s=self.config.stats_window_s,
-            generated_tokens=self._generated,
-            forward_passes=self._forwards,
-            finished=dict(self._finished),
-            verify=self._verify,
+        """On the event loop only: the samples it reads and trims are appended there (`_deliver`)."""
+        return self._recorder.snapshot(
+            self._tau,
+            self._block_size,
+            self._verify,
+            len(self._waiting),
+            len(self._running),
+            self.config.max_batch_size,
         )
-
-    def _forget_before(self, horizon: float) -> None:
-        for samples in (self._steps, self._ttft, self._itl):
-            while samples and samples[0][0] < horizon:
-                samples.popleft()
 
     def _start(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -576,12 +411,11 @@ class Engine:
     def _follow_operating_point(self) -> None:
         for request in self._running.values():
             config = request.state.config
-            tau = self._tau if request.params.tau is None else request.params.tau
+            tau, verify = point_for(request.params, self._tau, self._verify)
             block_size = self._block_size if request.params.block_size is None else request.params.block_size
-            verify = self._verify_for(request.params)
             if (config.tau, config.block_size, config.verify) != (tau, block_size, verify):
-                request.state.config = dataclasses.replace(
-                    config, tau=tau, block_size=block_size, verify=verify
+                request.state.reconfigure(
+                    dataclasses.replace(config, tau=tau, block_size=block_size, verify=verify)
                 )
 
     def _deliver(self, outputs: list[RowOutput], now: float) -> None:
@@ -595,11 +429,11 @@ class Engine:
             tokens = output.tokens
             if request.last_tokens_at is None:
                 ttft = now - request.arrived
-                self._ttft.append((now, ttft))
+                self._recorder.first_token(now, ttft)
                 self.metrics.first_token(ttft)
             elif tokens:
                 itl = (now - request.last_tokens_at) / len(tokens)
-                self._itl.append((now, itl))
+                self._recorder.inter_token(now, itl)
                 self.metrics.inter_token(itl)
             request.last_tokens_at = now
             request.unsent += tokens
@@ -618,15 +452,12 @@ class Engine:
         if not delivered:  # the step only cached joining prompts, or every row it ran had ended before
             return
         accepted = [len(output.tokens) for output in delivered]
-        self._steps.append((now, len(delivered), sum(accepted)))
-        self._forget_before(now - self.config.stats_window_s)
-        self._generated += sum(accepted)
-        self._forwards += 1
+        self._recorder.forward(now, accepted)
         self.metrics.step(accepted, [output.drafted for output in delivered])
 
     def _end(self, request: _Request) -> None:
         """Count a request that ended (its `finish_reason` set)."""
-        self._finished[request.finish_reason] += 1
+        self._recorder.ended(request.finish_reason)
         self.metrics.finished(request.finish_reason, time.monotonic() - request.arrived)
 
     def _fail_running(self, error: Exception) -> None:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mars_ray.serve.engine import Chunk, Logprob, SamplingParams
+from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 
 
 class ContentPart(BaseModel):

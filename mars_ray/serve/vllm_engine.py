@@ -1,0 +1,223 @@
+"""The replica's engine on vLLM: `AsyncLLM` with MARS as its speculative method (`mars_ray.vllm`), behind
+the same protocol as the native engine (`Engine`): `load`, `warm_up`, `generate` streaming `Chunk`s,
+`prompt_logprobs`, the operating point (`tau`, `verify`, `block_size`), `stats`, `close`.
+
+Why the project's deployment hosts vLLM instead of Ray Serve LLM's `LLMServer`: the replica keeps what
+Ray Serve LLM has no place for, the per-request `tau` / `verify` / `block_size` fields and their checks (a
+400 naming the field), the tau controller moving the replica's operating point without a restart (here it
+rides on every new request as the proposer's fields), `/v1/status`, the replica autoscaling policy and the
+API key. vLLM itself runs as Ray Serve LLM runs it: `AsyncLLM`, its engine core in a process of its own.
+A request's forward passes come from vLLM's per-request speculative metrics (`mars_ray.vllm.passes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from mars_ray import models
+from mars_ray.core.decoding import DecodeConfig
+from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.rules import RequestRules
+from mars_ray.serve.stats import EngineStats, StatsRecorder
+from mars_ray.serve.types import Chunk, Logprob, SamplingParams
+from mars_ray.vllm.config import is_mars_checkpoint, speculative_config
+from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
+from mars_ray.vllm.passes import METRICS_LEVEL, forward_passes, histogram_of
+
+
+class VllmEngine:
+    """vLLM's `AsyncLLM` for one model; `generate` streams `Chunk`s per request."""
+
+    def __init__(self, llm, tokenizer, config: ModelConfig, rules: RequestRules, metrics) -> None:
+        self.llm, self.tokenizer, self.config, self.rules = llm, tokenizer, config, rules
+        self.metrics = metrics
+        self.max_context, self.vocab_size, self.max_block_size = (
+            rules.max_context,
+            rules.vocab_size,
+            rules.max_block_size,
+        )
+        self._tau, self._verify, self._block_size = config.tau, config.verify, rules.decode.block_size
+        self._in_flight = 0
+        self._recorder = StatsRecorder(config.stats_window_s)
+        self.metrics.tau(self._tau)
+
+    @classmethod
+    def load(cls, config: ModelConfig, metrics) -> VllmEngine:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        path = models.resolve(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        checkpoint = SimpleNamespace(
+            config=AutoConfig.from_pretrained(path), generation_config=GenerationConfig.from_pretrained(path)
+        )
+        rules = RequestRules.of(
+            config,
+            checkpoint.config,
+            # `for_model` reads only the checkpoint's config and generation config: no weights loaded here.
+            DecodeConfig.for_model(checkpoint, tokenizer, config.block_size, allow_wider=True),
+            int(checkpoint.config.vocab_size),
+        )
+        engine = dict(
+            model=path,
+            dtype=config.dtype,
+            max_model_len=rules.max_context,
+            max_num_seqs=config.max_batch_size,
+            enforce_eager=not config.compile,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            per_request_spec_decode_metrics=METRICS_LEVEL,
+            seed=0,
+        )
+        if is_mars_checkpoint(path):
+            engine["speculative_config"] = speculative_config(path)
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
+        return cls(llm, tokenizer, config, rules, metrics)
+
+    # The operating point: new requests without their own tau / block_size / verify take it.
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    @tau.setter
+    def tau(self, tau: float) -> None:
+        self.rules.check_tau(tau)
+        self._tau = tau
+        self.metrics.tau(tau)
+
+    @property
+    def verify(self) -> bool:
+        return self._verify
+
+    @verify.setter
+    def verify(self, verify: bool) -> None:
+        self._verify = verify
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @block_size.setter
+    def block_size(self, block_size: int) -> None:
+        self.rules.check_block_size(block_size)
+        self._block_size = block_size
+
+    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
+        self.rules.check_token_ids(tokens, field)
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
+    ) -> AsyncIterator[Chunk]:
+        """Stream one request: an empty chunk once it is accepted, then a chunk per output of vLLM's (a
+        forward, or several a slow reader missed, as one), the last with its `finish_reason`. Closing the
+        iterator early cancels the request in vLLM."""
+        config = self.rules.decode_config(
+            prompt, params, prompt_field, self._tau, self._verify, self._block_size
+        )
+        from vllm.sampling_params import RequestOutputKind
+
+        wanted = sampling_params(
+            config,
+            output_kind=RequestOutputKind.DELTA,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=True,
+        )
+        mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
+        request_id, arrived, last = uuid.uuid4().hex, time.monotonic(), None
+        completion = forwards = 0
+        finish = None
+        self._in_flight += 1
+        self.metrics.load(*self._load())
+        try:
+            yield Chunk("", len(prompt), 0, 0, tau=config.tau, mode=mode)
+            async for output in self.llm.generate({"prompt_token_ids": list(prompt)}, wanted, request_id):
+                piece, now = output.outputs[0], time.monotonic()
+                tokens = list(piece.token_ids)
+                if tokens:
+                    forwards += 1
+                    completion += len(tokens)
+                    self._recorder.forward(now, [len(tokens)])
+                    if last is None:
+                        self._recorder.first_token(now, now - arrived)
+                        self.metrics.first_token(now - arrived)
+                    else:
+                        self._recorder.inter_token(now, (now - last) / len(tokens))
+                        self.metrics.inter_token((now - last) / len(tokens))
+                    last = now
+                if output.finished:
+                    finish = piece.finish_reason if piece.finish_reason in ("stop", "length") else "error"
+                    forwards = forward_passes(completion, histogram_of(piece.spec_decode_metrics))
+                logprobs = self._logprobs(piece, config.logprobs)
+                if tokens or finish:
+                    text, counted = piece.text, (len(prompt), completion, forwards)
+                    yield Chunk(text, *counted, finish, tokens, config.tau, mode, logprobs)
+        finally:
+            self._in_flight -= 1
+            reason = finish or "cancelled"
+            if finish is None:
+                with contextlib.suppress(Exception):
+                    await self.llm.abort(request_id)
+            self._recorder.ended(reason)
+            self.metrics.finished(reason, time.monotonic() - arrived)
+            self.metrics.load(*self._load())
+
+    def _logprobs(self, piece, k: int | None) -> list[Logprob] | None:
+        if k is None:
+            return None
+        found = []
+        for token, alternatives in zip(piece.token_ids, piece.logprobs or [], strict=False):
+            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)
+            top = tuple((self.tokenizer.decode([t]), lp.logprob) for t, lp in ranked if lp.rank <= k)
+            found.append(Logprob(self.tokenizer.decode([token]), alternatives[token].logprob, top))
+        return found
+
+    async def prompt_logprobs(self, prompt: Sequence[int], k: int) -> list[Logprob]:
+        """Each prompt token's log-probability given the tokens before it and its k likeliest alternatives
+        (for `echo`), from vLLM's `prompt_logprobs`. The first token has none."""
+        from vllm import SamplingParams as VllmParams
+
+        self.rules.check_prompt(prompt, "prompt")
+        asked = VllmParams(max_tokens=1, temperature=0, prompt_logprobs=k, extra_args={"tau": 1.0})
+        final = None
+        async for output in self.llm.generate({"prompt_token_ids": list(prompt)}, asked, uuid.uuid4().hex):
+            final = output
+        found = [Logprob(self.tokenizer.decode([prompt[0]]), None)]
+        for token, alternatives in zip(prompt[1:], (final.prompt_logprobs or [])[1:], strict=True):
+            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)
+            top = tuple((self.tokenizer.decode([t]), lp.logprob) for t, lp in ranked if lp.rank <= k)
+            found.append(Logprob(self.tokenizer.decode([token]), alternatives[token].logprob, top))
+        return found
+
+    async def warm_up(self) -> None:
+        """A short request through the whole path, a MARS window included, before reporting ready."""
+        prompt = self.tokenizer("Hello, how are you?")["input_ids"] or [self.tokenizer.eos_token_id]
+        params = SamplingParams(max_tokens=8, tau=0.5, block_size=min(2, self.rules.max_block_size))
+        async for _ in self.generate(prompt, dataclasses.replace(params, ignore_eos=True)):
+            pass
+
+    def _load(self) -> tuple[int, int]:
+        """(waiting, running): requests past vLLM's batch wait in its scheduler."""
+        running = min(self._in_flight, self.config.max_batch_size)
+        return self._in_flight - running, running
+
+    def refresh_gauges(self) -> None:
+        self.metrics.tau(self._tau)
+        self.metrics.load(*self._load())
+
+    def stats(self) -> EngineStats:
+        """On the event loop only. `forwards_per_s` counts each request's forwards (vLLM batches them)."""
+        waiting, running = self._load()
+        return self._recorder.snapshot(
+            self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
