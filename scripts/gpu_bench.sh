@@ -44,7 +44,7 @@ mars() { $python -m mars_ray.cli "$@"; }
 # A phase in PHASES runs; one that fails is reported and the others still run (the exit status says so).
 run() {
   local name=$1; shift
-  [[ " ${PHASES:-sweep eval bench forward} " == *" $name "* ]] || return 0
+  [[ " ${PHASES:-sweep eval bench forward vllm} " == *" $name "* ]] || return 0
   phase "$name"
   "$@" || failed+=("$name")
 }
@@ -60,7 +60,16 @@ run bench mars bench decode --model "$out/mars-final" --baseline smollm2-135m --
   --output "$out/decode.json"
 run forward mars bench forward --model "$out/mars-final" --device $device "${forward[@]}" \
   --output "$out/forward.json"
+# The same checkpoint on vLLM with MARS as its speculative method (the project's serving path): the tau
+# sweep, exactness against HF generate and tokens per forward. vLLM must be installed there (the official
+# `vllm`, `pip install -e ".[vllm-gpu]"`); without it the phase says so and is skipped.
+if $python -c "import vllm" 2>/dev/null; then
+  run vllm mars eval --model "$out/mars-final" --engine vllm --modes lossy verify --check-greedy \
+    "${evaluate[@]}" --output "$out/eval-vllm.json"
+else
+  phase "vllm: skipped (vllm is not installed for $python)"
+fi
 
 phase "done${failed:+, failed: ${failed[*]}}"
-echo "[gpu_bench] results: $out/{sweep.jsonl,eval.json,decode.json,forward.json,pareto.png}"
+echo "[gpu_bench] results: $out/{sweep.jsonl,eval.json,decode.json,forward.json,eval-vllm.json,pareto.png}"
 [ ${#failed[@]} -eq 0 ]
