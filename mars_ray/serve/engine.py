@@ -35,6 +35,7 @@ from mars_ray.core.decoding import (
 )
 from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.point import Operable
 from mars_ray.serve.rules import RequestRules, point_for
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.text import TextStream
@@ -147,7 +148,7 @@ def _load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokeniz
     return models.load(config.model, dtype=dtype, device=config.device)
 
 
-class Engine:
+class Engine(Operable):
     """Continuous batching of MARS decoding for one model; `generate` streams `Chunk`s per request."""
 
     def __init__(
@@ -174,7 +175,7 @@ class Engine:
         elif config.prepack_weights and can_prepack(model):  # inductor cannot lower packed weights
             self._executor.submit(prepack_linears, model).result()  # where the forwards will run
         self.decoder = self._new_decoder()
-        self._tau, self._block_size, self._verify = config.tau, self.decode.block_size, config.verify
+        self._start_at(config.tau, config.verify, self.decode.block_size)
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # by id() of the decode state
         self._cancelled: list[_Request] = []
@@ -182,7 +183,6 @@ class Engine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._recorder = StatsRecorder(config.stats_window_s)
-        self.metrics.tau(self._tau)
 
     @classmethod
     def load(cls, config: ModelConfig, metrics: EngineMetrics | None = None) -> Engine:
@@ -200,35 +200,6 @@ class Engine:
         return SlidingDecoder(
             self.model, tokenizer.mask_token_id, tokenizer.pad_token_id, self.config.max_prefill_tokens
         )
-
-    # The operating point: requests without their own tau / block_size / verify follow it from the next
-    # forward.
-    @property
-    def tau(self) -> float:
-        return self._tau
-
-    @tau.setter
-    def tau(self, tau: float) -> None:
-        self.rules.check_tau(tau)
-        self._tau = tau
-        self.metrics.tau(tau)
-
-    @property
-    def verify(self) -> bool:
-        return self._verify
-
-    @verify.setter
-    def verify(self, verify: bool) -> None:
-        self._verify = verify
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @block_size.setter
-    def block_size(self, block_size: int) -> None:
-        self.rules.check_block_size(block_size)
-        self._block_size = block_size
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from mars_ray import models
 from mars_ray.core.decoding import DecodeConfig
 from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.point import Operable
 from mars_ray.serve.rules import RequestRules
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
@@ -33,7 +34,7 @@ from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
 from mars_ray.vllm.passes import METRICS_LEVEL, forward_passes, histogram_of
 
 
-class VllmEngine:
+class VllmEngine(Operable):
     """vLLM's `AsyncLLM` for one model; `generate` streams `Chunk`s per request."""
 
     def __init__(self, llm, tokenizer, config: ModelConfig, rules: RequestRules, metrics) -> None:
@@ -44,10 +45,9 @@ class VllmEngine:
             rules.vocab_size,
             rules.max_block_size,
         )
-        self._tau, self._verify, self._block_size = config.tau, config.verify, rules.decode.block_size
+        self._start_at(config.tau, config.verify, rules.decode.block_size)
         self._in_flight = 0
         self._recorder = StatsRecorder(config.stats_window_s)
-        self.metrics.tau(self._tau)
 
     @classmethod
     def load(cls, config: ModelConfig, metrics) -> VllmEngine:
@@ -80,34 +80,6 @@ class VllmEngine:
             engine["speculative_config"] = speculative_config(path)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
         return cls(llm, tokenizer, config, rules, metrics)
-
-    # The operating point: new requests without their own tau / block_size / verify take it.
-    @property
-    def tau(self) -> float:
-        return self._tau
-
-    @tau.setter
-    def tau(self, tau: float) -> None:
-        self.rules.check_tau(tau)
-        self._tau = tau
-        self.metrics.tau(tau)
-
-    @property
-    def verify(self) -> bool:
-        return self._verify
-
-    @verify.setter
-    def verify(self, verify: bool) -> None:
-        self._verify = verify
-
-    @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @block_size.setter
-    def block_size(self, block_size: int) -> None:
-        self.rules.check_block_size(block_size)
-        self._block_size = block_size
 
     def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
         self.rules.check_token_ids(tokens, field)
