@@ -5,7 +5,8 @@ A run lives in `output_dir/name/`:
     config.yaml        the config it was started with (a rerun must match it)
     data_report.json   rows kept, truncated and skipped (by reason) for each source
     ar-sft/            Ray Train's run folder: checkpoint_000100/ ..., metrics.jsonl, and
-      final/           the stage's result, a plain `save_pretrained` folder (stage 2 starts from it)
+      final/           the stage's result, a plain `save_pretrained` folder (stage 2 starts from it); with
+                       `lora.gated`, the gated folder (the base it names plus its adapter, `core/gated.py`)
       final-adapter/   with LoRA: the adapter of final/, unmerged (final/ is it merged into the base)
     mars/
       final/
