@@ -29,9 +29,9 @@ from mars_ray.serve.point import Operable
 from mars_ray.serve.rules import RequestRules
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
-from mars_ray.vllm.config import is_mars_checkpoint, speculative_config
+from mars_ray.vllm.config import mars_engine_args
 from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
-from mars_ray.vllm.passes import METRICS_LEVEL, forward_passes, histogram_of
+from mars_ray.vllm.passes import forward_passes, histogram_of
 
 
 class VllmEngine(Operable):
@@ -73,11 +73,9 @@ class VllmEngine(Operable):
             max_num_seqs=config.max_batch_size,
             enforce_eager=not config.compile,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
-            per_request_spec_decode_metrics=METRICS_LEVEL,
             seed=0,
+            **mars_engine_args(path),
         )
-        if is_mars_checkpoint(path):
-            engine["speculative_config"] = speculative_config(path)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
         return cls(llm, tokenizer, config, rules, metrics)
 

