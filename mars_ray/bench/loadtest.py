@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import typing
 from dataclasses import dataclass
 
 import httpx
@@ -25,6 +26,7 @@ from mars_ray import data
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
+from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
 @dataclass
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
     )
     parser.add_argument(
-        "--engine", choices=["native", "vllm"], default="native", help="what decodes in the replica"
+        "--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP
     )
     parser.add_argument("--output", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import time
+import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import httpx
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
+from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
 @dataclass
@@ -210,6 +212,7 @@ def serve_mode(mode: str, args: argparse.Namespace) -> str:
         "max_batch_size": max(args.levels),
         "max_ongoing_requests": 2 * max(args.levels),
         "stats_window_s": 5.0,
+        "engine": args.engine,
     }
     if mode == "controller":
         model["tau_control"] = {
@@ -246,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the replica's weights"
     )
     parser.add_argument("--num-cpus", type=float, default=1.0)
+    parser.add_argument(
+        "--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP
+    )
     parser.add_argument("--port", type=int, default=8125)
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
     parser.add_argument("--out", type=Path, default=Path("results/ramp"))
