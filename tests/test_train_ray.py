@@ -345,8 +345,11 @@ def test_fsdp_run_resumes_from_sharded_checkpoints_on_fewer_workers_and_matches_
     groups = attempts(logged_steps(config, "mars"))
     assert groups[-1][0]["resumed_from"] == 3 and groups[-1][-1]["step"] == 8
     by_step = {s["step"]: s for group in groups for s in group}  # the resumed steps replace the lost ones
+    # FSDP and DDP reduce in different orders, and AdamW turns fp32 rounding into a drift that grows with
+    # the steps (measured on this config: 2e-6 relative at step 2, before any resume, 1.2e-4 at step 8); a
+    # lost model shard, AdamW state or schedule moves the loss far more than that.
     for expected in logged_steps(reference, "mars"):
-        assert by_step[expected["step"]]["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+        assert by_step[expected["step"]]["loss"] == pytest.approx(expected["loss"], rel=1e-3)
 
     final = finals["mars"]
     assert not [p for p in final.iterdir() if "checkpoint" in p.name or p.name == sharding.SHARDS]
