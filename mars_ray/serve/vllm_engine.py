@@ -56,9 +56,12 @@ class VllmEngine(Operable):
 
         path = models.resolve(config.model)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        checkpoint = SimpleNamespace(
-            config=AutoConfig.from_pretrained(path), generation_config=GenerationConfig.from_pretrained(path)
-        )
+        model_config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: what transformers derives from the model's config
+            generation = GenerationConfig.from_model_config(model_config)
+        checkpoint = SimpleNamespace(config=model_config, generation_config=generation)
         rules = RequestRules.of(
             config,
             checkpoint.config,
