@@ -15,10 +15,7 @@ class Operable:
     metrics: object  # an `EngineMetrics`
 
     def _start_at(self, tau: float, verify: bool, block_size: int) -> None:
-        self.rules.check_tau(tau)
-        self.rules.check_block_size(block_size)
-        self._tau, self._verify, self._block_size = tau, verify, block_size
-        self.metrics.tau(tau)
+        self.tau, self.verify, self.block_size = tau, verify, block_size  # through the checks below
 
     @property
     def tau(self) -> float:

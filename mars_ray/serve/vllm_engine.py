@@ -145,12 +145,14 @@ class VllmEngine(Operable):
     def _logprobs(self, piece, k: int | None) -> list[Logprob] | None:
         if k is None:
             return None
-        found = []
-        for token, alternatives in zip(piece.token_ids, piece.logprobs or [], strict=False):
-            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)
-            top = tuple((self.tokenizer.decode([t]), lp.logprob) for t, lp in ranked if lp.rank <= k)
-            found.append(Logprob(self.tokenizer.decode([token]), alternatives[token].logprob, top))
-        return found
+        pairs = zip(piece.token_ids, piece.logprobs or [], strict=False)
+        return [self._named(token, alternatives, k) for token, alternatives in pairs]
+
+    def _named(self, token: int, alternatives: dict, k: int) -> Logprob:
+        """vLLM's logprobs of one position (the token's, and the k likeliest by rank) as OpenAI names them."""
+        ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)
+        top = tuple((self.tokenizer.decode([t]), lp.logprob) for t, lp in ranked if lp.rank <= k)
+        return Logprob(self.tokenizer.decode([token]), alternatives[token].logprob, top)
 
     async def prompt_logprobs(self, prompt: Sequence[int], k: int) -> list[Logprob]:
         """Each prompt token's log-probability given the tokens before it and its k likeliest alternatives
@@ -162,12 +164,9 @@ class VllmEngine(Operable):
         final = None
         async for output in self.llm.generate({"prompt_token_ids": list(prompt)}, asked, uuid.uuid4().hex):
             final = output
-        found = [Logprob(self.tokenizer.decode([prompt[0]]), None)]
-        for token, alternatives in zip(prompt[1:], (final.prompt_logprobs or [])[1:], strict=True):
-            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)
-            top = tuple((self.tokenizer.decode([t]), lp.logprob) for t, lp in ranked if lp.rank <= k)
-            found.append(Logprob(self.tokenizer.decode([token]), alternatives[token].logprob, top))
-        return found
+        pairs = zip(prompt[1:], (final.prompt_logprobs or [])[1:], strict=True)
+        first = Logprob(self.tokenizer.decode([prompt[0]]), None)
+        return [first] + [self._named(token, alternatives, k) for token, alternatives in pairs]
 
     async def warm_up(self) -> None:
         """A short request through the whole path, a MARS window included, before reporting ready."""
