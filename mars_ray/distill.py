@@ -12,8 +12,9 @@ The output folder is a dataset that `datasets` and `mars-ray train` load (`datas
     ...                             source}: `complete` is false when the reply hit `max_new_tokens`
 
 Prompts are deduplicated and cut into shards of `shard_size`; Ray actors (`num_workers`, each a loaded
-model on `cpus_per_worker` threads) decode shards with continuous batching over the KV cache. A shard
-is written atomically when it is done, so a rerun skips finished shards and redoes only the rest.
+model on `cpus_per_worker` threads) decode shards with continuous batching over the KV cache, or with
+`engine: vllm` hand each shard to vLLM whole (several times faster on CPU at these batch sizes: BENCHMARKS).
+A shard is written atomically when it is done, so a rerun skips finished shards and redoes only the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from mars_ray import cli_args, data, models
 from mars_ray.core.decoding import DecodeConfig, decode_continuous
+from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
 # Where and how wide the decoding runs: not what it writes (up to near-ties in the kernels' arithmetic).
@@ -53,6 +55,7 @@ class DistillConfig(BaseModel):
     num_workers: int = Field(default=1, ge=1, description="Ray actors, each with the model loaded")
     cpus_per_worker: int = Field(default=2, ge=1, description="CPUs (torch threads) per actor")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="where actors decode (cuda: one GPU)")
+    engine: Engine = Field(default="native", description=ENGINE_HELP)
 
     @field_validator("output")
     @classmethod
@@ -104,16 +107,26 @@ class Distiller:
             self.model, self.tokenizer, tau=1.0, max_new_tokens=config.max_new_tokens
         )
         self.batch_size = config.batch_size
+        self.vllm = None
+        if config.engine == "vllm":
+            from mars_ray.vllm.offline import VllmDecoder
+
+            self.vllm = VllmDecoder(
+                models.resolve(config.model), dtype=str(self.model.dtype).removeprefix("torch.")
+            )
 
     def shard(self, index: int, rows: list[dict]) -> tuple[int, list[dict]]:
         """Shard `index`: its rows with the model's reply appended to each prompt."""
         tok = self.tokenizer
         prompts = [data.chat_prompt_ids(tok, r["messages"]) for r in rows]
-        results = dict(
-            decode_continuous(
-                self.model, prompts, tok.mask_token_id, self.decode, tok.pad_token_id, self.batch_size
+        if self.vllm is not None:
+            results = dict(enumerate(self.vllm.decode(prompts, self.decode)))
+        else:
+            results = dict(
+                decode_continuous(
+                    self.model, prompts, tok.mask_token_id, self.decode, tok.pad_token_id, self.batch_size
+                )
             )
-        )
         out = []
         for i, row in enumerate(rows):
             result = results[i]
