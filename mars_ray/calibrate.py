@@ -17,7 +17,6 @@ would produce about c of the time. This measures that and fits it:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Literal
@@ -26,7 +25,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from mars_ray import cli_args, models
-from mars_ray.core.decoding import SLOT_TEMPERATURES, TRAINED_BLOCK_SIZE, DecodeConfig, decode_continuous
+from mars_ray.checkpoint_meta import CheckpointMeta
+from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE, DecodeConfig
+from mars_ray.core.decoder import decode_continuous
+from mars_ray.core.dtypes import DtypeName, torch_dtype
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import IGNORE, Example, collate_mars
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 
@@ -47,7 +50,7 @@ class CalibrateConfig(BaseModel):
     bins: int = Field(default=10, ge=2, description="confidence bins of the ECE and the diagrams")
     write: bool = Field(default=True, description="store the temperatures in the checkpoint")
     plot: Path | None = Field(default=None, description="reliability diagrams PNG")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="weights' dtype")
+    dtype: DtypeName = Field(default="auto", description="weights' dtype")
 
 
 class SlotStats(BaseModel):
@@ -165,13 +168,10 @@ def split_stats(samples, temperatures: list[float], bins: int) -> list[SlotStats
 
 def calibrate(config: CalibrateConfig) -> CalibrationReport:
     folder = Path(models.resolve(config.model))
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    model, tokenizer = models.load(str(folder), dtype=dtype)
-    block_size = getattr(model.config, TRAINED_BLOCK_SIZE, None)
+    model, tokenizer = models.load(str(folder), dtype=torch_dtype(config.dtype))
+    block_size = CheckpointMeta.of(model.config).block_size
     if not block_size:
-        raise cli_args.ConfigError(
-            "model", f"{folder} records no {TRAINED_BLOCK_SIZE}: not a MARS checkpoint"
-        )
+        raise ConfigError("model", f"{folder} records no {TRAINED_BLOCK_SIZE}: not a MARS checkpoint")
     greedy = DecodeConfig.for_model(model, tokenizer, calibrated=False, max_new_tokens=config.max_new_tokens)
     samples = {}
     for split in ("calibration", "heldout"):
@@ -191,10 +191,7 @@ def calibrate(config: CalibrateConfig) -> CalibrationReport:
         splits={split: split_stats(s, temperatures, config.bins) for split, s in samples.items()},
     )
     if config.write:
-        path = folder / "config.json"
-        stored = json.loads(path.read_text())
-        stored[SLOT_TEMPERATURES] = temperatures
-        path.write_text(json.dumps(stored, indent=2) + "\n")
+        CheckpointMeta(slot_temperatures=temperatures).write(folder)
         (folder / "calibration.json").write_text(report.model_dump_json(indent=2))
     if config.plot:
         plot_reliability(report, config.plot)

@@ -2,6 +2,8 @@
 
 Commands that do not need Ray (generate, eval, calibrate, bench, prepare) run where it is not installed,
 such as a lent GPU machine with no package registry: the others import it when they run.
+
+A bad setting, whichever command meets it, ends the command with exit code 2 and `error: <field>: <why>`.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mars_ray import calibrate, distill, evaluate, generate, prepare, quickstart
+from pydantic import ValidationError
+
+from mars_ray import calibrate, cli_args, distill, evaluate, generate, prepare, quickstart
 from mars_ray.bench import decode as bench
 from mars_ray.serve import command as serve
 from mars_ray.train import command as train
@@ -32,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, OSError) as error:
+    except ValidationError as error:  # a typed config built from a file (training's YAML), as a ConfigError
+        parser.exit(2, f"mars-ray {args.command}: error: {cli_args.config_error(error)}\n")
+    except (ValueError, OSError) as error:  # a ConfigError shows as `field: why`; or a file not readable
         parser.exit(2, f"mars-ray {args.command}: error: {error}\n")
 
 

@@ -1,7 +1,8 @@
 """One mapping from a typed config (a pydantic model) to command-line flags and back.
 
 Every field becomes `--field-name` with the field's description as its help; a flag left out keeps the
-model's default. A bad value fails as `ConfigError`, which names the field (as its flag) and says why.
+model's default. A bad value fails as `ConfigError`, which names the field (as its flag) and says why. A
+config too large for flags (training's) is a YAML file plus `key=value` overrides, every key in the help.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def add_config_arguments(
         parser.add_argument(flag(name), required=field.is_required(), **options)
 
 
+def add_override_arguments(parser: argparse.ArgumentParser, config: type[BaseModel]) -> None:
+    """`key=value` arguments replacing values of `config` (parsed as YAML), every key listed in the help."""
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="replace a config value (YAML)")
+    parser.epilog = keys_help(config)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
 def keys_help(config: type[BaseModel]) -> str:
     """Every field of `config` as `key=value` help: name, description, default (for `key=value` commands)."""
     lines = []
@@ -77,6 +85,11 @@ def validated(config: type[BaseModel], values: dict, name=lambda field: field):
     try:
         return config(**values)
     except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or config.__name__
-        raise ConfigError(name(field) if first["loc"] else field, first["msg"]) from None
+        raise config_error(error, name) from None
+
+
+def config_error(error: ValidationError, name=lambda field: field) -> ConfigError:
+    """The first problem of a failed validation as a `ConfigError` on its field, shown as `name(field)`."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return ConfigError(name(field) if field else error.title, first["msg"])

@@ -21,14 +21,16 @@ import hashlib
 import importlib.util
 import random
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import datasets
 import yaml
 from jinja2 import TemplateError
 
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import IGNORE, Example
 
 Split = Literal["train", "calibration", "heldout"]
@@ -201,6 +203,21 @@ def load_chats(source: str, split: str = "train", tasks_count: int = 4000) -> da
     if "messages" not in dataset.column_names:
         raise ValueError(f"{source!r} has no 'messages' column (columns: {', '.join(dataset.column_names)})")
     return dataset
+
+
+Loaded = TypeVar("Loaded")
+
+
+def load_each(sources: Sequence[str], field: str, load: Callable[[str], Loaded]) -> list[Loaded]:
+    """`load(source)` for each of the config list `field`; a source that cannot be loaded (missing, not
+    chats, no such split) is a `ConfigError` on `field[i]`, raised before any work starts."""
+    loaded = []
+    for i, source in enumerate(sources):
+        try:
+            loaded.append(load(source))
+        except (ValueError, OSError) as error:
+            raise ConfigError(f"{field}[{i}]", str(error)) from None
+    return loaded
 
 
 def _load_external(source: str, split: str) -> datasets.Dataset:

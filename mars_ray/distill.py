@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Literal
@@ -30,13 +29,16 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm import tqdm
 
-from mars_ray import cli_args, data, models
-from mars_ray.core.decoding import DecodeConfig, decode_continuous
+from mars_ray import cli_args, data, folders, models
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_continuous
+from mars_ray.core.dtypes import DtypeName, torch_dtype
+from mars_ray.core.errors import ConfigError
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
-DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16"}
 # Where and how wide the decoding runs: not what it writes (up to near-ties in the kernels' arithmetic).
 RESUMABLE_CHANGES = {"num_workers", "cpus_per_worker", "batch_size", "device"}
+RECORD = "distill.yaml"  # the config a folder was started with, and when done its counts
 
 
 class DistillConfig(BaseModel):
@@ -48,7 +50,7 @@ class DistillConfig(BaseModel):
     split: str = Field(default="train", description="split of every prompt source")
     tasks_count: int = Field(default=4000, ge=1, description="rows generated for the bundled `tasks`")
     max_new_tokens: int = Field(default=64, ge=1, description="reply budget; a longer reply is cut")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="weights' dtype")
+    dtype: DtypeName = Field(default="auto", description="weights' dtype")
     batch_size: int = Field(default=32, ge=1, description="rows decoded together per worker")
     shard_size: int = Field(default=256, ge=1, description="prompts per shard (the unit of resuming)")
     limit: int | None = Field(default=None, ge=1, description="only the first N distinct prompts")
@@ -76,11 +78,10 @@ def prompt_turns(messages) -> list[dict] | None:
 def collect_prompts(config: DistillConfig) -> tuple[list[dict], dict[str, int]]:
     """Distinct prompts of every source in order, each `{messages, source}`, and the rows skipped."""
     seen, prompts, skipped = set(), [], {}
-    for i, source in enumerate(config.prompts):
-        try:
-            rows = data.load_chats(source, config.split, config.tasks_count)
-        except (ValueError, OSError) as error:
-            raise cli_args.ConfigError(f"prompts[{i}]", str(error)) from None
+    sources = data.load_each(
+        config.prompts, "prompts", lambda source: data.load_chats(source, config.split, config.tasks_count)
+    )
+    for source, rows in zip(config.prompts, sources, strict=True):
         for messages in rows["messages"]:
             turns = prompt_turns(messages)
             key = json.dumps(turns)
@@ -99,9 +100,8 @@ class Distiller:
         import torch
 
         torch.set_num_threads(config.cpus_per_worker)
-        dtype = DTYPES[config.dtype]
         self.model, self.tokenizer = models.load(
-            config.model, dtype=getattr(torch, dtype) if dtype else None, device=config.device
+            config.model, dtype=torch_dtype(config.dtype), device=config.device
         )
         self.decode = DecodeConfig.for_model(
             self.model, self.tokenizer, tau=1.0, max_new_tokens=config.max_new_tokens
@@ -147,29 +147,16 @@ def _shard_path(output: Path, index: int) -> Path:
     return output / f"shard-{index:05d}.jsonl"
 
 
-def _check_rerun(config: DistillConfig, output: Path) -> None:
-    """A folder is resumed only under the config it was started with: its shards depend on it."""
-    saved_path = output / "distill.yaml"
-    current = config.model_dump()
-    if saved_path.exists():
-        saved = yaml.safe_load(saved_path.read_text())["config"]
-        changed = {k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k)}
-        fixed = sorted(changed - RESUMABLE_CHANGES)
-        if fixed:
-            raise cli_args.ConfigError(
-                fixed[0], f"{output} was distilled with other values for {', '.join(fixed)}"
-            )
-    output.mkdir(parents=True, exist_ok=True)
-    saved_path.write_text(yaml.safe_dump({"config": current}, sort_keys=False))
-
-
 def distill(config: DistillConfig) -> Path:
     """Write every shard not yet written; return the dataset folder."""
     output = Path(config.output)
     prompts, skipped = collect_prompts(config)
     if not prompts:
-        raise cli_args.ConfigError("prompts", f"no usable prompts in {config.prompts}")
-    _check_rerun(config, output)
+        raise ConfigError("prompts", f"no usable prompts in {config.prompts}")
+    # a folder is resumed only under the config it was started with: its shards depend on it
+    folders.check_rerun(
+        output / RECORD, config.model_dump(), lambda saved: RESUMABLE_CHANGES, "output", "config"
+    )
     shards = [prompts[i : i + config.shard_size] for i in range(0, len(prompts), config.shard_size)]
     todo = [i for i in range(len(shards)) if not _shard_path(output, i).exists()]
     print(
@@ -188,17 +175,11 @@ def distill(config: DistillConfig) -> Path:
         jobs = pool.map_unordered(lambda actor, i: actor.shard.remote(i, shards[i]), todo)
         bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", desc="distill")
         for index, rows in jobs:
-            _write_shard(_shard_path(output, index), rows)
+            folders.write_file(_shard_path(output, index), "".join(json.dumps(row) + "\n" for row in rows))
             bar.update(len(rows))
         bar.close()
     _write_summary(config, output, len(shards), time.perf_counter() - began)
     return output
-
-
-def _write_shard(path: Path, rows: list[dict]) -> None:
-    staging = path.with_name(f".{path.name}.partial")  # not a data file to `datasets` until renamed
-    staging.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    os.replace(staging, path)
 
 
 def _write_summary(config: DistillConfig, output: Path, shards: int, seconds: float) -> None:
@@ -209,8 +190,8 @@ def _write_summary(config: DistillConfig, output: Path, shards: int, seconds: fl
         "completion_tokens": sum(r["completion_tokens"] for r in rows),
         "seconds_this_run": round(seconds, 1),
     }
-    (output / "distill.yaml").write_text(
-        yaml.safe_dump({"config": config.model_dump(), "summary": summary}, sort_keys=False)
+    folders.write_file(
+        output / RECORD, yaml.safe_dump({"config": config.model_dump(), "summary": summary}, sort_keys=False)
     )
     print(f"{output}: {summary}")
 

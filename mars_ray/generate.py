@@ -9,8 +9,10 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 from mars_ray import cli_args, models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.data import chat_prompt_ids
+from mars_ray.serve.config import BlockSizeOrNone, Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -21,9 +23,9 @@ class GenerateConfig(BaseModel):
 
     model: str = Field(description="local HF folder, Hub id, or preset (tiny, smollm2-135m)")
     prompt: str = Field(description="user message (chat template applied when present)")
-    tau: float = Field(1.0, gt=0, le=1, description="confidence threshold; 1.0 = exact greedy AR")
-    block_size: int | None = Field(
-        None, ge=1, description="window: tokens proposed per forward (default: the trained B)"
+    tau: Tau = Field(1.0, description="confidence threshold; 1.0 = exact greedy AR")
+    block_size: BlockSizeOrNone = Field(
+        None, description="window: tokens proposed per forward (default: the trained B)"
     )
     allow_wider_window: bool = Field(False, description="allow a window wider than the trained B")
     verify: bool = Field(False, description="verified: exactly greedy at any tau (tau picks the drafts)")
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> None:
                     "token_ids": result.tokens,
                     "forward_passes": result.forward_passes,
                     "tokens_per_forward": round(result.tokens_per_forward, 4),
-                    "mode": "verify" if config.verify else "mars" if config.window > 1 else "ar",
+                    "mode": config.mode,
                 }
             )
         )

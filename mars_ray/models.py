@@ -16,16 +16,17 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from mars_ray import folders
 from mars_ray.core import gated
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.tokens import prepare_for_mars
 
 CHATML_TEMPLATE = (
@@ -109,20 +110,18 @@ def _build_tiny(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-PRESETS: dict[str, Callable[[Path], None]] = {"smollm2-135m": _build_smollm2, "tiny": _build_tiny}
+Preset = Literal["smollm2-135m", "tiny"]
+PRESETS: dict[Preset, Callable[[Path], None]] = {"smollm2-135m": _build_smollm2, "tiny": _build_tiny}
 
 
 def prepare(name: str) -> Path:
     """Build an offline preset once (idempotent, safe across processes) and return its folder."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        raise ConfigError("model", f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     folder = home() / "models" / name
     with _locked(folder):
         if not (folder / "config.json").exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-            PRESETS[name](staging)
-            shutil.rmtree(folder, ignore_errors=True)
-            staging.rename(folder)
+            folders.publish(folder, PRESETS[name])
     return folder
 
 
@@ -136,7 +135,7 @@ def resolve(model: str) -> str:
     local = Path(model).expanduser()
     if local.exists() or model.startswith(("/", ".", "~")):
         if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"model {model!r}: no such model folder (no config.json there)")
+            raise ConfigError("model", f"{model!r}: no such model folder (no config.json there)")
         return str(local)
     return model
 

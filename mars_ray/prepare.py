@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from mars_ray import models
+from pydantic import BaseModel, ConfigDict, Field
+
+from mars_ray import cli_args, models
+
+
+class PrepareConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: models.Preset = Field(default="tiny", description="the offline preset to build")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("prepare", help="build an offline model preset into the cache")
-    parser.add_argument("--model", default="tiny", choices=sorted(models.PRESETS))
+    cli_args.add_config_arguments(parser, PrepareConfig)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
-    print(models.prepare(args.model))
+    print(models.prepare(cli_args.config_from_args(PrepareConfig, args).model))

@@ -11,35 +11,41 @@ import time
 from pathlib import Path
 
 import transformers
+from pydantic import BaseModel, ConfigDict, Field
 
 from mars_ray import cli_args, models
+from mars_ray.core.errors import ConfigError
 from mars_ray.evaluate import EvalConfig, evaluate
 from mars_ray.train.config import TrainConfig, load_config
 
 QUICKSTART_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
+class QuickstartConfig(BaseModel):
+    """The demo's own options; the training config's keys are `TrainConfig`'s, as `key=value` arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    config: Path = Field(default=QUICKSTART_CONFIG, description="YAML file of training config keys")
+    tasks_limit: int = Field(default=200, ge=1, description="held-out tasks to evaluate")
+    dialogs_limit: int = Field(default=50, ge=1, description="held-out dialogs to evaluate")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "quickstart",
-        help="train and evaluate the tiny offline demo end to end",
-        epilog=cli_args.keys_help(TrainConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="replace a value of the config")
-    parser.add_argument("--config", type=Path, default=QUICKSTART_CONFIG)
-    parser.add_argument("--tasks-limit", type=int, default=200, help="held-out tasks to evaluate")
-    parser.add_argument("--dialogs-limit", type=int, default=50, help="held-out dialogs to evaluate")
+    parser = subparsers.add_parser("quickstart", help="train and evaluate the tiny offline demo end to end")
+    cli_args.add_config_arguments(parser, QuickstartConfig)
+    cli_args.add_override_arguments(parser, TrainConfig)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> None:
     began = time.perf_counter()
+    options = cli_args.config_from_args(QuickstartConfig, args)
     transformers.utils.logging.disable_progress_bar()
     print(f"tiny preset: {models.prepare('tiny')}")
-    config = load_config(args.config, args.overrides)
+    config = load_config(options.config, args.overrides)
     if "mars" not in config.stages:
-        raise ValueError("stages: the quickstart evaluates the mars stage, keep it")
+        raise ConfigError("stages", "the quickstart evaluates the mars stage, keep it")
     import ray  # Ray: imported only by the commands that use it
 
     from mars_ray.train.run import run_training, worker_runtime_env
@@ -54,8 +60,8 @@ def run(args: argparse.Namespace) -> None:
             baseline=str(finals["ar-sft"]) if "ar-sft" in finals else None,
             baseline_taus=taus,
             taus=taus,
-            tasks_limit=args.tasks_limit,
-            dialogs_limit=args.dialogs_limit,
+            tasks_limit=options.tasks_limit,
+            dialogs_limit=options.dialogs_limit,
             output=config.run_dir / "eval.json",
         )
     )

@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from mars_ray.data import chat_prompt_ids
-from mars_ray.evaluate import EvalConfig, ModelUnderTest, curve_point, heldout_sets
+from mars_ray.eval_model import ModelUnderTest, curve_point
+from mars_ray.evaluate import EvalConfig, heldout_sets
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.steps import IncompleteCheckpoint, verify_checkpoint
 

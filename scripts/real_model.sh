@@ -28,15 +28,18 @@ phase() { echo "[real_model] $1: $(($(date +%s) - started)) s"; }
 phase "prepare"
 $bin/mars-ray prepare --model smollm2-135m
 
-phase "distill"   # resumable: finished shards are skipped
+# vLLM writes the replies several times faster than the native batcher where it is installed (setup.sh does)
+engine=native
+$bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" && engine=vllm
+phase "distill ($engine)"   # resumable: finished shards are skipped
 $bin/mars-ray distill --model smollm2-135m --prompts chatterbot-prompts chatterbot --max-new-tokens 96 \
-  --batch-size 48 --shard-size 128 --output "$distilled"
+  --batch-size 48 --shard-size 128 --engine $engine --output "$distilled"
 
 datasets="[$distilled, tasks]"
 if [ "$gated" = 1 ]; then  # the drafts learn the verifier's own text: its replies to the task prompts too
   phase "distill tasks"
   $bin/mars-ray distill --model smollm2-135m --prompts tasks --tasks-count 1000 --max-new-tokens 96 \
-    --batch-size 48 --shard-size 128 --output "$distilled_tasks"
+    --batch-size 48 --shard-size 128 --engine $engine --output "$distilled_tasks"
   datasets="[$distilled, $distilled_tasks]"
 fi
 

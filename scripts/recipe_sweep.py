@@ -34,7 +34,8 @@ from mars_ray import data, models
 from mars_ray.core.objective import ScoredLM, collate_mars
 from mars_ray.data import chat_prompt_ids
 from mars_ray.distill import DistillConfig, Distiller, collect_prompts
-from mars_ray.evaluate import EvalConfig, ModelUnderTest, curve_point, heldout_sets
+from mars_ray.eval_model import ModelUnderTest, curve_point
+from mars_ray.evaluate import EvalConfig, heldout_sets
 from mars_ray.train.config import TrainConfig
 from mars_ray.train.steps import BatchSampler, Objective, accumulate_gradients
 

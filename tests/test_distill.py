@@ -8,7 +8,8 @@ import pytest
 import ray
 
 from mars_ray import data, models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.distill import DistillConfig, distill, prompt_turns
 from mars_ray.train.config import TrainConfig

@@ -29,8 +29,10 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from mars_ray import data, models
 from mars_ray.core import gated
-from mars_ray.core.decoding import DecodeConfig, decode_cached, decode_reference
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.core.reference import decode_reference
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from conftest import EOS_ID, MASK_ID, PAD_ID, build_tiny
 
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.objective import IGNORE, Example, ScoredLM, collate_mars, mars_loss
 
 SEP = 3

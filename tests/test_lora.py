@@ -11,7 +11,8 @@ from test_decoding import hf_greedy
 from test_learning import copy_task
 from transformers import AutoModelForCausalLM
 
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train import lora

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from mars_ray import models
-from mars_ray.bench.decode import BenchConfig, ForwardBenchConfig, bench_prompts, run_bench, run_forward_bench
+from mars_ray.bench.decode import BenchConfig, bench_prompts, run_bench
+from mars_ray.bench.forward import ForwardBenchConfig, run_forward_bench
 from mars_ray.calibrate import CalibrateConfig, calibrate
-from mars_ray.core.decoding import DecodeConfig
+from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.errors import ConfigError
-from mars_ray.evaluate import EvalConfig, EvalReport, Score, evaluate
+from mars_ray.eval_scores import Score
+from mars_ray.evaluate import EvalConfig, EvalReport, evaluate
 
 
 def test_eval_sweep_writes_json_and_plot(tmp_path):

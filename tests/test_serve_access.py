@@ -45,7 +45,7 @@ def server():
 def test_every_route_and_method_needs_the_key_under_a_route_prefix(server):
     """Each route the FastAPI app has, with each method, and a path it does not have: 401 without the right
     key (a prefix in front changes nothing); only the load balancers' probe and the schema are open."""
-    from mars_ray.serve.app import api
+    from mars_ray.serve.ingress import api
 
     url, _ = server
     paths = {route.path.replace("{model:path}", "tiny") for route in api.routes} | {"/v2/unrouted"}

@@ -27,7 +27,7 @@ import torch
 from serving import free_port, local_app
 
 from mars_ray import models
-from mars_ray.core.decoding import text_log_probs
+from mars_ray.core.sampling import text_log_probs
 from mars_ray.data import chat_prompt_ids
 
 pytestmark = pytest.mark.slow

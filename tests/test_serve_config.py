@@ -65,12 +65,19 @@ def serve_args(*argv: str):
 
 def test_mars_ray_serve_has_a_flag_for_every_field_with_its_description():
     from mars_ray.cli_args import flag
+    from mars_ray.serve.command import ServerOptions
     from mars_ray.serve.config import TauObjective
 
     parser, _ = serve_args("--model", "tiny")
     (serve,) = parser._subparsers._group_actions[0].choices.values()
     text = " ".join(serve.format_help().split())
-    for config, skip in ((ModelConfig, {"tau_control"}), (TauObjective, set()), (AppConfig, {"models"})):
+    configs = [
+        (ModelConfig, {"tau_control"}),
+        (TauObjective, set()),
+        (AppConfig, {"models"}),
+        (ServerOptions, set()),
+    ]
+    for config, skip in configs:
         for name, field in config.model_fields.items():
             if name not in skip:
                 assert flag(name) in text, name

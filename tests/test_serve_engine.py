@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.data import chat_prompt_ids
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine
 from mars_ray.serve.text import TextStream
-from mars_ray.serve.types import RequestError, SamplingParams
+from mars_ray.serve.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +279,9 @@ def test_stats_snapshot_and_request_errors(tiny):
             ("window", prompt, SamplingParams(block_size=9)),
             ("top_p", prompt, SamplingParams(top_p=2.0)),
         ]:
-            with pytest.raises(RequestError) as caught:
+            with pytest.raises(ConfigError) as caught:
                 await anext(engine.generate(ids, params, prompt_field="messages"))
-            errors[name] = caught.value.param
+            errors[name] = caught.value.field
         return engine.stats(), errors
 
     stats, errors = asyncio.run(run())
@@ -308,9 +309,9 @@ def test_verified_requests_are_greedy_and_say_so(tiny):
         lossy = collect(engine, prompts[0], SamplingParams(max_tokens=16, verify=False))
         sampled = collect(engine, prompts[1], SamplingParams(max_tokens=8, temperature=0.8, seed=1))
         done = await asyncio.gather(*follows, lossy, sampled)
-        with pytest.raises(RequestError) as refused:
+        with pytest.raises(ConfigError) as refused:
             await anext(engine.generate(prompts[0], SamplingParams(verify=True, temperature=0.5)))
-        return done, refused.value.param
+        return done, refused.value.field
 
     done, refused = asyncio.run(run())
     for prompt, (text, last) in zip(prompts, done[:3], strict=True):
@@ -424,9 +425,9 @@ def test_window_defaults_to_the_trained_block_size(tiny):
         async def wider():
             await anext(engine.generate(prompt, SamplingParams(block_size=4)))
 
-        with pytest.raises(RequestError) as caught:
+        with pytest.raises(ConfigError) as caught:
             asyncio.run(wider())
-        assert caught.value.param == "block_size"
+        assert caught.value.field == "block_size"
         assert make_engine(tiny, max_block_size=8).max_block_size == 8  # wider, asked for explicitly
     finally:
         del model.config.mars_block_size
@@ -504,8 +505,8 @@ def test_completion_tokens_stop_at_the_stop_string(tiny):
 def test_cache_refuses_attention_it_cannot_hold():
     from conftest import build_tiny
 
-    from mars_ray.core.decoding import RaggedCache
     from mars_ray.core.errors import ConfigError
+    from mars_ray.core.kv_cache import RaggedCache
 
     sliding = build_tiny("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(ConfigError) as error:

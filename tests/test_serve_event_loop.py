@@ -12,7 +12,8 @@ import inspect
 
 from ray.serve._private.constants import RAY_SERVE_RUN_SYNC_IN_THREADPOOL
 
-from mars_ray.serve.app import EngineDeployment, StatusBoard
+from mars_ray.serve.replica import EngineDeployment
+from mars_ray.serve.status_board import StatusBoard
 
 
 def test_deployment_methods_are_async():

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from mars_ray import models
+from mars_ray.core.errors import ConfigError
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine
-from mars_ray.serve.types import RequestError
 
 
 def test_echo_refuses_a_bad_prompt_before_any_forward():
@@ -23,9 +23,9 @@ def test_echo_refuses_a_bad_prompt_before_any_forward():
         engine = Engine(model, tokenizer, ModelConfig(model="tiny", max_context=64))
         try:
             for prompt in ([], [-1], [vocab], [10**9], [1] * 64, [1] * 500_000):
-                with pytest.raises(RequestError) as refused:
+                with pytest.raises(ConfigError) as refused:
                     await engine.prompt_logprobs(prompt, 0)
-                assert refused.value.param == "prompt", prompt
+                assert refused.value.field == "prompt", prompt
             assert forwards == []  # refused before the forward, not by it
             return [lp.token for lp in await engine.prompt_logprobs([5, 6, 7], 0)]
         finally:

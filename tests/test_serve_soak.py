@@ -25,7 +25,8 @@ import torch
 from serving import local_app
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.data import chat_prompt_ids
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_ray import data, models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.objective import ScoredLM, ar_loss, collate_ar, collate_mars, mars_loss
 from mars_ray.train import sharding
 from mars_ray.train.config import TrainConfig

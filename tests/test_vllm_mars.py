@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig, decode_cached
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decoder import decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.evaluate import EvalConfig, evaluate
 from mars_ray.vllm import speculative_config

@@ -26,6 +26,7 @@ from mars_ray import data
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
+from mars_ray.core.dtypes import DTYPE_NAMES, torch_dtype
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -108,11 +109,10 @@ def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict
 
     from mars_ray import models
     from mars_ray.bench.baseline import hf_greedy_tokens
-    from mars_ray.core.decoding import DecodeConfig
+    from mars_ray.core.decode_config import DecodeConfig
 
     torch.set_num_threads(args.torch_threads)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = models.load(args.model, dtype=dtype)
+    model, tokenizer = models.load(args.model, dtype=torch_dtype(args.dtype))
     stops = DecodeConfig.for_model(model, tokenizer).stop_token_ids
     tokens, started = 0, time.perf_counter()
     for i in range(0, len(chats), args.concurrency):
@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peer-label", default="peer", help="the peer's row in the table")
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
     parser.add_argument("--port", type=int, default=8124)
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the replica's weights"
-    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="the replica's weights")
     parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
     parser.add_argument("--torch-threads", type=int, help="default: the replica's whole CPUs, at least 1")
     parser.add_argument(
@@ -225,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
     )
-    parser.add_argument(
-        "--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP
-    )
+    parser.add_argument("--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP)
     parser.add_argument("--output", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default

@@ -26,6 +26,7 @@ import httpx
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
+from mars_ray.core.dtypes import DTYPE_NAMES
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -245,13 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--verify-tau", type=float, help="the controller's lossless first step: verified decoding at this tau"
     )
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="the replica's weights"
-    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="the replica's weights")
     parser.add_argument("--num-cpus", type=float, default=1.0)
-    parser.add_argument(
-        "--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP
-    )
+    parser.add_argument("--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP)
     parser.add_argument("--port", type=int, default=8125)
     parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
     parser.add_argument("--out", type=Path, default=Path("results/ramp"))

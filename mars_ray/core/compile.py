@@ -6,8 +6,8 @@ one `torch.compile(dynamic=True)` of the model's forward; a prompt into an empty
 prefill chunks, stay eager (compute-bound already). A compiled step always gets a mask and picks its logits
 by an index tensor, its cached keys are row-major with heads and head_dim static, and sizes are never
 unified by value (no duck shapes), so what dynamo tells apart is only whether the batch and the window are
-one or more: four graphs, which the engine compiles while it warms up (a minute or more each for
-SmolLM2-135M on a 2-core CPU). Same tokens as eager in fp32 on the tests' models; in bf16 the fused
+one or more: four graphs, which the engine compiles while it warms up (each compile is slow on a CPU:
+BENCHMARKS.md has the times). Same tokens as eager in fp32 on the tests' models; in bf16 the fused
 kernels round differently, so batched rows may part from eager ones (BENCHMARKS.md).
 """
 

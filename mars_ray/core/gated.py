@@ -57,15 +57,16 @@ class GatedSpec:
 class LowRankDelta(nn.Module):
     """`B(A(dropout(x))) * alpha / r`, B zero at first (peft's LoRA initialisation: the delta starts at 0)."""
 
-    def __init__(self, linear: nn.Linear, r: int, alpha: float, dropout: float) -> None:
+    def __init__(self, shape: tuple[int, int], spec: GatedSpec, like: torch.Tensor) -> None:
+        """`shape`: the adapted layer's (in, out) features; the weights take `like`'s device and dtype."""
         super().__init__()
-        kind = {"device": linear.weight.device, "dtype": linear.weight.dtype}
-        self.A = nn.Linear(linear.in_features, r, bias=False, **kind)
-        self.B = nn.Linear(r, linear.out_features, bias=False, **kind)
+        (features, out), r, kind = shape, spec.r, {"device": like.device, "dtype": like.dtype}
+        self.A = nn.Linear(features, r, bias=False, **kind)
+        self.B = nn.Linear(r, out, bias=False, **kind)
         nn.init.kaiming_uniform_(self.A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.B.weight)
-        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.scaling = alpha / r
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        self.scaling = spec.alpha / r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.B(self.A(self.dropout(x))) * self.scaling
@@ -129,7 +130,7 @@ def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> 
     model.base_model.register_forward_pre_hook(gate.record, with_kwargs=True)
     embedding.register_forward_hook(gate.embed)
     for linear in linears:
-        setattr(linear, DELTA, LowRankDelta(linear, spec.r, spec.alpha, spec.dropout))
+        setattr(linear, DELTA, LowRankDelta((linear.in_features, linear.out_features), spec, linear.weight))
         linear.register_forward_hook(gate.add_delta)
     for tensor in adapter_state(model, keep_vars=True).values():
         tensor.requires_grad_(trainable)

@@ -3,11 +3,12 @@ engine's `prepack_weights`; inductor cannot lower these packed layers, so compil
 
 On a CPU a bf16 `nn.Linear` hands oneDNN a plain row-major weight at every call, which oneDNN reorders
 into its blocked layout before it multiplies; packing each weight once, as inductor's freezing does for a
-compiled graph, halves a SmolLM2 projection at 1 to 16 rows and makes its step 1.14-1.2x faster
-(BENCHMARKS.md), with the stock logits bit for bit. Pack in the thread that runs the forwards: in a thread
-that was not the first to run torch's parallel work the packed products lose their gain. The packed layers
-are for decoding only: they hold no trainable parameter, and a model with them is not saved. The output
-embedding gets its own packed copy; the input embedding keeps the tied weight.
+compiled graph, saves that reorder at every call, so the projections and the decode step they make up run
+faster (`mars-ray bench forward --prepack`; the figures are in BENCHMARKS.md), with the stock logits bit for
+bit. Pack in the thread that runs the forwards: in a thread that was not the first to run torch's parallel
+work the packed products lose their gain. The packed layers are for decoding only: they hold no trainable
+parameter, and a model with them is not saved. The output embedding gets its own packed copy; the input
+embedding keeps the tied weight.
 """
 
 from __future__ import annotations

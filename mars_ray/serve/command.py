@@ -6,8 +6,22 @@ import argparse
 import signal
 import time
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from mars_ray import cli_args, models
 from mars_ray.serve.config import AppConfig, ModelConfig, TauObjective
+
+
+class ServerOptions(BaseModel):
+    """Where the HTTP server listens, and the Ray cluster it runs on (a Serve YAML sets these itself)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address the HTTP server binds")
+    port: int = Field(8000, description="port of the HTTP server")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to use ('local': a new one; None: a running one, else a new local one)"
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,13 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     cli_args.add_config_arguments(
         parser.add_argument_group("app (AppConfig)"), AppConfig, exclude=frozenset({"models"})
     )
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument(
-        "--ray-address",
-        help="Ray cluster to use (default: a running one, else a new local one; 'local': new)",
-    )
+    cli_args.add_config_arguments(parser.add_argument_group("server (ServerOptions)"), ServerOptions)
     parser.set_defaults(run=run)
 
 
@@ -55,7 +63,7 @@ def _stop(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    app = app_config(args)
+    app, server = app_config(args), cli_args.config_from_args(ServerOptions, args)
     (model,) = app.models
     models.resolve(model.model)  # a missing folder fails here, not in a replica that Serve keeps restarting
     import ray
@@ -63,17 +71,16 @@ def run(args: argparse.Namespace) -> None:
 
     from mars_ray.serve.app import build_app
 
-    ray.init(address=args.ray_address)
+    ray.init(address=server.ray_address)
     # Ctrl-C and SIGTERM (what Kubernetes and `kill` send) both stop cleanly, even where the shell that
     # started this left SIGINT ignored, as a script's background job does.
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": server.host, "port": server.port})
         serve.run(build_app(app), name="mars", route_prefix="/")
-        print(
-            f"serving {model.served_name!r} at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True
-        )
+        url = f"http://{server.host}:{server.port}/v1"
+        print(f"serving {model.served_name!r} at {url} (Ctrl-C stops)", flush=True)
         while True:
             # Short sleeps: a signal may land on one of Ray's threads, and Python runs the handler only
             # when the main thread next wakes up.

@@ -4,14 +4,43 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.dtypes import DtypeName
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 API_KEY_VARIABLE = "MARS_RAY_API_KEY"
+
+
+def _checked_by(check: Callable[[Any, str], Any]) -> AfterValidator:
+    """A field checked by `check(value, field name)` (None, where a field may be unset, passes)."""
+
+    def checked(value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            check(value, info.field_name)
+        return value
+
+    return AfterValidator(checked)
+
+
+# Every tau and window a config or a request body carries: their ranges are `DecodeConfig`'s.
+Tau = Annotated[float, _checked_by(DecodeConfig.check_tau)]
+TauOrNone = Annotated[float | None, _checked_by(DecodeConfig.check_tau)]
+BlockSizeOrNone = Annotated[int | None, _checked_by(DecodeConfig.check_block_size)]
 
 
 class TauObjective(BaseModel):
@@ -19,12 +48,11 @@ class TauObjective(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tau_min: float = Field(0.7, gt=0, le=1, description="quality floor: the controller never goes below")
-    tau_max: float = Field(1.0, gt=0, le=1, description="quality ceiling: where an idle replica sits")
+    tau_min: Tau = Field(0.7, description="quality floor: the controller never goes below")
+    tau_max: Tau = Field(1.0, description="quality ceiling: where an idle replica sits")
     tau_step: float = Field(0.05, gt=0, le=1, description="how far tau moves per decision")
-    verify_tau: float | None = Field(
+    verify_tau: TauOrNone = Field(
         None,
-        gt=0,
         lt=1,
         description="a lossless first step under load: verified decoding carrying proposals this confident"
         " (needs tau_max 1.0; None: no such step)",
@@ -53,23 +81,22 @@ class ModelConfig(BaseModel):
 
     model: str = Field(description="local HF folder, Hub id, or preset (tiny, smollm2-135m)")
     name: str | None = Field(None, description="the `model` clients ask for; default: derived from `model`")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: DtypeName = Field(
         "auto", description="weights' dtype (auto: as saved); bfloat16 pays on a CPU with AMX or AVX512-BF16"
     )
     device: str = Field("cpu", description="torch device of each replica (cuda: give it num_gpus)")
     engine: Engine = Field("native", description=ENGINE_HELP)
-    tau: float = Field(1.0, gt=0, le=1, description="operating tau, for requests that do not set their own")
+    tau: Tau = Field(1.0, description="operating tau, for requests that do not set their own")
     verify: bool = Field(
         False,
         description="operating mode for greedy requests that do not set `verify`: verified (lossless)"
         " decoding, where tau only picks the proposals checked",
     )
-    block_size: int | None = Field(
-        None, ge=1, description="window for requests that do not set their own; default: the trained B"
+    block_size: BlockSizeOrNone = Field(
+        None, description="window for requests that do not set their own; default: the trained B"
     )
-    max_block_size: int | None = Field(
+    max_block_size: BlockSizeOrNone = Field(
         None,
-        ge=1,
         description="largest window a request may ask for; default: the trained B (16 for a model that"
         " records none). Set it above B to allow wider, untrained windows",
     )
@@ -85,15 +112,15 @@ class ModelConfig(BaseModel):
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
     compile: bool = Field(
         False,
-        description="torch.compile the decode steps (1.1-1.25x a step in bf16 on a 2-core CPU, see"
-        " BENCHMARKS.md); the replica compiles every kind of step while it warms up: minutes on a CPU, less"
+        description="torch.compile the decode steps (faster steps in bf16, see BENCHMARKS.md); the replica"
+        " compiles every kind of step while it warms up: minutes on a CPU, less"
         " once torch's compile cache holds them",
     )
     prepack_weights: bool = Field(
         True,
         description="eager steps in bf16 on a CPU with native bf16 (AVX512-BF16, AMX): every linear weight"
-        " is packed once into oneDNN's blocked layout instead of at each call (1.14-1.2x a SmolLM2 step,"
-        " see BENCHMARKS.md); with `compile`, or elsewhere, it does nothing",
+        " is packed once into oneDNN's blocked layout instead of at each call (faster steps, see"
+        " BENCHMARKS.md); with `compile`, or elsewhere, it does nothing",
     )
     torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")

@@ -7,7 +7,8 @@ requests that follow the replica's operating point (tau, window) to its current 
 N+1; only then do forward N's tokens become text and go out. So detokenizing, stop strings and streaming
 run on the event loop while the next forward runs, never between two forwards. A row that a stop string
 ends at forward N is computed once more and that forward's tokens are dropped.
-No Ray here: the Serve deployment (`app.py`) wraps it and exports `EngineMetrics`.
+No Ray here: the Serve deployment (`replica.py`) drives it through `protocol.ServingEngine` and exports
+its `EngineMetrics` (`metrics.py`).
 """
 
 from __future__ import annotations
@@ -20,23 +21,22 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from mars_ray import models
 from mars_ray.core.compile import compile_steps
-from mars_ray.core.decoding import (
-    DecodeConfig,
-    DecodeState,
-    SlidingDecoder,
-    TokenLogprob,
-)
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decode_state import DecodeState, TokenLogprob
+from mars_ray.core.decoder import SlidingDecoder
+from mars_ray.core.dtypes import torch_dtype
 from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.engine_request import EngineRequest, RowOutput, named_logprob
 from mars_ray.serve.point import Operable
-from mars_ray.serve.rules import RequestRules, point_for
+from mars_ray.serve.protocol import EngineMetrics
+from mars_ray.serve.rules import RequestRules
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.text import TextStream
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
@@ -44,98 +44,16 @@ from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class EngineMetrics:
-    """Where the engine reports what it does; the Serve deployment exports these (no-ops here).
-
-    Shaped like vLLM's metric families, so that its dashboards' queries carry over: per row and forward,
-    `drafted` is how many proposals the forward offered that row (a lossy row: its window's W-1 mask
-    slots; a verified row: the drafts it checked; 0 at one token per forward) and `accepted` how many
-    tokens it took (at most drafted + 1), as vLLM's speculative-decoding counters count them.
-    """
-
-    def step(self, accepted: Sequence[int], drafted: Sequence[int]) -> None:
-        """One forward: per row, the tokens it accepted and the proposals it was offered."""
-
-    def admitted(self, queued_seconds: float, prompt_tokens: int) -> None:
-        """A request got its row after waiting this long."""
-
-    def first_token(self, seconds: float) -> None:
-        """Time from a request's arrival to its first accepted token."""
-
-    def inter_token(self, seconds: float) -> None:
-        """Time per token between two of a request's forwards."""
-
-    def finished(self, reason: str, seconds: float) -> None:
-        """A request ended (stop, length, cancelled or error) this long after it arrived."""
-
-    def load(self, waiting: int, running: int) -> None:
-        """Requests waiting for a row, and rows in the batch."""
-
-    def tau(self, tau: float) -> None:
-        """The operating tau changed."""
-
-
-@dataclass(frozen=True)
-class RowOutput:
-    """What one forward gave one row, read in the decode thread as the forward ended: the event loop turns
-    it into text while the next forward already changes the row's `DecodeState`."""
-
-    state: DecodeState
-    tokens: list[int]  # accepted by this forward
-    completion_tokens: int  # the row's tokens so far, these included
-    forward_passes: int
-    finish_reason: str | None  # "stop" (a stop token) or "length"; None while it goes on
-    config: DecodeConfig  # the operating point this forward ran at
-    drafted: int  # proposals this forward offered the row (see `EngineMetrics.step`)
-
-    @classmethod
-    def of(cls, state: DecodeState, tokens: list[int]) -> RowOutput:
-        config = state.config
-        drafted = state.drafted[-1] if config.verify else config.window - 1
-        return cls(
-            state, tokens, len(state.tokens), state.forward_passes, state.finish_reason, config, drafted
-        )
-
-
-class _Request:
-    """One request inside the engine: its decode state, its text stream and its outbox."""
-
-    def __init__(self, state: DecodeState, text: TextStream, params: SamplingParams) -> None:
-        self.state, self.text, self.params = state, text, params
-        self.outbox: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
-        self.arrived = time.monotonic()
-        self.last_tokens_at: float | None = None
-        self.finish_reason: str | None = None  # stop, length, cancelled or error
-        self.unsent: list[int] = []  # decoded tokens not yet in a chunk (their text may be held back)
-        self.sent = 0  # tokens already in a chunk
-
-    def chunk(self, text: str, tokenizer: PreTrainedTokenizerBase, output: RowOutput | None = None) -> Chunk:
-        """The next chunk: `text` and the tokens decoded since the last chunk, as of `output` (None: before
-        the first forward)."""
-        s = self.state
-        reason = self.finish_reason if self.finish_reason in ("stop", "length") else None
-        tokens, self.unsent = self.unsent, []
-        config = s.config if output is None else output.config
-        # Tokens accepted in the same forward past a stop string were decoded but are not the completion.
-        completion = 0 if output is None else output.completion_tokens
-        if self.text.stopped:
-            completion = self.text.stop_tokens
-        forward_passes = 0 if output is None else output.forward_passes
-        mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
-        logprobs = None
-        if config.logprobs is not None:
-            # Only ever appended to (by the decode thread), so the entries up to `completion` are settled.
-            logprobs = [_named(lp, tokenizer) for lp in s.logprobs[self.sent : max(self.sent, completion)]]
-        self.sent += len(tokens)
-        return Chunk(
-            text, len(s.prompt), completion, forward_passes, reason, tokens, config.tau, mode, logprobs
-        )
-
-
-def _named(logprob: TokenLogprob, tokenizer: PreTrainedTokenizerBase) -> Logprob:
-    """Token ids as the text each one decodes to, as OpenAI reports them."""
-    top = tuple((tokenizer.decode([token]), value) for token, value in logprob.top)
-    return Logprob(tokenizer.decode([logprob.token]), logprob.logprob, top)
+def _prompt_logprobs(
+    model: PreTrainedModel, decode: DecodeConfig, mask_id: int, prompt: list[int], k: int
+) -> list[TokenLogprob]:
+    """One plain forward over the prompt: each token's log-probability given the tokens before it, and its
+    k likeliest alternatives (the first token has none)."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt], device=model.device)).logits[0, :-1]
+    state = DecodeState(prompt, dataclasses.replace(decode, logprobs=k))
+    state.record_logprobs(prompt[1:], logits, mask_id)
+    return state.logprobs
 
 
 def _decode_thread() -> ThreadPoolExecutor:
@@ -144,12 +62,13 @@ def _decode_thread() -> ThreadPoolExecutor:
 
 def _load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     torch.set_num_threads(config.torch_threads or max(1, int(config.num_cpus)))
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    return models.load(config.model, dtype=dtype, device=config.device)
+    return models.load(config.model, dtype=torch_dtype(config.dtype), device=config.device)
 
 
 class Engine(Operable):
     """Continuous batching of MARS decoding for one model; `generate` streams `Chunk`s per request."""
+
+    tokenizer: PreTrainedTokenizerBase
 
     def __init__(
         self,
@@ -163,11 +82,9 @@ class Engine(Operable):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = metrics or EngineMetrics()
         # Stops, calibrated temperatures: what every request's config starts from.
-        decode = DecodeConfig.for_model(model, tokenizer, config.block_size, allow_wider=True)
+        self.decode = DecodeConfig.for_model(model, tokenizer, config.block_size, allow_wider=True)
         vocab_size = model.get_input_embeddings().num_embeddings
-        self.rules = RequestRules.of(config, model.config, decode, vocab_size)
-        self.decode, self.vocab_size = decode, vocab_size
-        self.max_context, self.max_block_size = self.rules.max_context, self.rules.max_block_size
+        self.rules = RequestRules.of(config, model.config, self.decode, vocab_size)
         self._own_executor = executor is None
         self._executor = executor or _decode_thread()
         if config.compile:
@@ -176,9 +93,9 @@ class Engine(Operable):
             self._executor.submit(prepack_linears, model).result()  # where the forwards will run
         self.decoder = self._new_decoder()
         self._start_at(config.tau, config.verify, self.decode.block_size)
-        self._waiting: deque[_Request] = deque()
-        self._running: dict[int, _Request] = {}  # by id() of the decode state
-        self._cancelled: list[_Request] = []
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: dict[int, EngineRequest] = {}  # by id() of the decode state
+        self._cancelled: list[EngineRequest] = []
         self._stopped: list[DecodeState] = []  # rows a stop string ended, still in the decoder
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -188,7 +105,7 @@ class Engine(Operable):
     def load(cls, config: ModelConfig, metrics: EngineMetrics | None = None) -> Engine:
         """Load the model through the same loader as training, with the replica's thread count, in the
         thread that will run its forwards: a thread that is not the first to run torch's parallel work
-        pays for oneDNN's small bf16 products (packed weights: 0.67x there, BENCHMARKS.md)."""
+        runs oneDNN's small bf16 products slower (packed weights most; see BENCHMARKS.md)."""
         decode_thread = _decode_thread()
         model, tokenizer = decode_thread.submit(_load_model, config).result()
         engine = cls(model, tokenizer, config, metrics, decode_thread)
@@ -196,10 +113,8 @@ class Engine(Operable):
         return engine
 
     def _new_decoder(self) -> SlidingDecoder:
-        tokenizer = self.tokenizer
-        return SlidingDecoder(
-            self.model, tokenizer.mask_token_id, tokenizer.pad_token_id, self.config.max_prefill_tokens
-        )
+        mask, pad, config = self.tokenizer.mask_token_id, self.tokenizer.pad_token_id, self.config
+        return SlidingDecoder(self.model, mask, pad, config.max_prefill_tokens, config.max_batch_size)
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
@@ -211,62 +126,32 @@ class Engine(Operable):
         request = self._new_request(list(prompt), params, prompt_field)
         self._waiting.append(request)
         self._start()
-        interval, sent_text = self.config.stream_interval_s, False
         try:
             yield request.chunk("", self.tokenizer)
-            while True:
-                item, failure = await request.outbox.get(), None
-                if interval and sent_text and isinstance(item, Chunk) and not item.finish_reason:
-                    await asyncio.sleep(interval)  # what the next forwards add goes out with it, as one
-                while isinstance(item, Chunk) and not request.outbox.empty():
-                    later = request.outbox.get_nowait()  # a slow reader gets what piled up as one chunk
-                    if isinstance(later, BaseException):
-                        failure = later  # after the text merged so far, which is not lost
-                        break
-                    item = item.then(later)
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                sent_text = True
-                if failure is not None:
-                    raise failure
-                if item.finish_reason:
-                    return
+            async with contextlib.aclosing(request.replies(self.config.stream_interval_s)) as replies:
+                async for chunk in replies:
+                    yield chunk
         finally:
             if request.finish_reason is None:
                 request.finish_reason = "cancelled"
                 self._cancelled.append(request)
                 self._wake.set()
 
-    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
-        self.rules.check_token_ids(tokens, field)
-
-    def check_prompt(self, prompt: Sequence[int], field: str) -> int:
-        return self.rules.check_prompt(prompt, field)
-
-    def _new_request(self, prompt: list[int], params: SamplingParams, prompt_field: str) -> _Request:
+    def _new_request(self, prompt: list[int], params: SamplingParams, prompt_field: str) -> EngineRequest:
         tau, verify, block_size = self._tau, self._verify, self._block_size
         config = self.rules.decode_config(prompt, params, prompt_field, tau, verify, block_size)
         text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        return _Request(DecodeState(prompt, config), text, params)
+        return EngineRequest(DecodeState(prompt, config), text, params)
 
     async def prompt_logprobs(self, prompt: Sequence[int], k: int) -> list[Logprob]:
         """Each prompt token's log-probability given the tokens before it, and its k likeliest alternatives
         (for `echo`): one plain forward over the prompt on the decode thread, between two steps. The first
         token has none."""
-        self.check_prompt(prompt, "prompt")  # before the forward: out of the vocabulary or the context
-
-        def forward() -> list[TokenLogprob]:
-            with torch.inference_mode():
-                ids = torch.tensor([list(prompt)], device=self.model.device)
-                logits = self.model(input_ids=ids).logits[0, :-1]
-            state = DecodeState(list(prompt), dataclasses.replace(self.decode, logprobs=k))
-            state.record_logprobs(list(prompt[1:]), logits, self.tokenizer.mask_token_id)
-            return state.logprobs
-
-        recorded = await asyncio.get_running_loop().run_in_executor(self._executor, forward)
+        self.rules.check_prompt(prompt, "prompt")  # before the forward: out of the vocabulary or the context
+        forward = (_prompt_logprobs, self.model, self.decode, self.tokenizer.mask_token_id, list(prompt), k)
+        recorded = await asyncio.get_running_loop().run_in_executor(self._executor, *forward)
         first = Logprob(self.tokenizer.decode([prompt[0]]), None)
-        return [first] + [_named(lp, self.tokenizer) for lp in recorded]
+        return [first] + [named_logprob(lp, self.tokenizer) for lp in recorded]
 
     async def warm_up(self) -> None:
         """A short request through the whole path, a MARS window included, before reporting ready. With
@@ -296,11 +181,7 @@ class Engine(Operable):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        for request in [*self._waiting, *self._running.values()]:
-            if request.finish_reason is None:
-                request.finish_reason = "error"
-                request.outbox.put_nowait(RuntimeError("the engine shut down"))
-                self._end(request)
+        self._fail([*self._waiting, *self._running.values()], "the engine shut down")
         self._waiting.clear()
         self._running.clear()
         if self._own_executor:
@@ -308,14 +189,8 @@ class Engine(Operable):
 
     def stats(self) -> EngineStats:
         """On the event loop only: the samples it reads and trims are appended there (`_deliver`)."""
-        return self._recorder.snapshot(
-            self._tau,
-            self._block_size,
-            self._verify,
-            len(self._waiting),
-            len(self._running),
-            self.config.max_batch_size,
-        )
+        waiting, running, rows = len(self._waiting), len(self._running), self.config.max_batch_size
+        return self._recorder.snapshot(self._tau, self._block_size, self._verify, waiting, running, rows)
 
     def _start(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -371,9 +246,10 @@ class Engine(Operable):
         self._stopped.clear()
 
     def _admit(self) -> None:
-        # Counts the rows the decoder holds: a request that finished at the last forward is not delivered yet.
-        decoder = self.decoder
-        while self._waiting and len(decoder.seqs) + len(decoder.joining) < self.config.max_batch_size:
+        """Waiting requests take the rows the decoder's `Admission` rule gives them (the rule eval,
+        calibrate and distill batch by); it counts the rows the decoder holds, a request that finished at
+        the last forward included (not delivered yet)."""
+        for _ in range(self.decoder.admits(len(self._waiting))):
             request = self._waiting.popleft()
             self._running[id(request.state)] = request
             self.decoder.add(request.state)
@@ -381,13 +257,7 @@ class Engine(Operable):
 
     def _follow_operating_point(self) -> None:
         for request in self._running.values():
-            config = request.state.config
-            tau, verify = point_for(request.params, self._tau, self._verify)
-            block_size = self._block_size if request.params.block_size is None else request.params.block_size
-            if (config.tau, config.block_size, config.verify) != (tau, block_size, verify):
-                request.state.reconfigure(
-                    dataclasses.replace(config, tau=tau, block_size=block_size, verify=verify)
-                )
+            request.follow(self._tau, self._verify, self._block_size)
 
     def _deliver(self, outputs: list[RowOutput], now: float) -> None:
         """Each row's new tokens become text; finished rows are answered and leave."""
@@ -407,14 +277,9 @@ class Engine(Operable):
                 self._recorder.inter_token(now, itl)
                 self.metrics.inter_token(itl)
             request.last_tokens_at = now
-            request.unsent += tokens
-            text = request.text.push(tokens)
+            text = request.take(output)
             if request.text.stopped:
-                request.finish_reason = "stop"
                 self._stopped.append(request.state)
-            elif output.finish_reason is not None:
-                request.finish_reason = output.finish_reason
-                text += request.text.finish()
             if text or request.finish_reason:
                 request.outbox.put_nowait(request.chunk(text, self.tokenizer, output))
             if request.finish_reason:
@@ -426,18 +291,22 @@ class Engine(Operable):
         self._recorder.forward(now, accepted)
         self.metrics.step(accepted, [output.drafted for output in delivered])
 
-    def _end(self, request: _Request) -> None:
+    def _end(self, request: EngineRequest) -> None:
         """Count a request that ended (its `finish_reason` set)."""
         self._recorder.ended(request.finish_reason)
         self.metrics.finished(request.finish_reason, time.monotonic() - request.arrived)
 
-    def _fail_running(self, error: Exception) -> None:
-        """Answer every batched request with the error and start from an empty cache."""
-        for request in self._running.values():
+    def _fail(self, requests: Sequence[EngineRequest], why: str) -> None:
+        """End the requests not ended yet: their readers raise a `RuntimeError` saying `why`."""
+        for request in requests:
             if request.finish_reason is None:
                 request.finish_reason = "error"
-                request.outbox.put_nowait(RuntimeError(f"decoding failed: {error}"))
+                request.outbox.put_nowait(RuntimeError(why))
                 self._end(request)
+
+    def _fail_running(self, error: Exception) -> None:
+        """Answer every batched request with the error and start from an empty cache."""
+        self._fail(list(self._running.values()), f"decoding failed: {error}")
         self._running.clear()
         self._stopped.clear()
         self.decoder = self._new_decoder()

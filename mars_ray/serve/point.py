@@ -4,15 +4,19 @@ The tau controller moves it; `serve deploy` sets it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.serve.protocol import EngineMetrics
 from mars_ray.serve.rules import RequestRules
 
 
 class Operable:
-    """An engine whose operating point the controller moves: it keeps the point, checks it against its
-    `rules` and reports its tau to `metrics`."""
+    """An engine held to its `rules`: the operating point the controller moves, checked against them as it
+    is set (its tau reported to `metrics`), and the limits they set."""
 
     rules: RequestRules
-    metrics: object  # an `EngineMetrics`
+    metrics: EngineMetrics
 
     def _start_at(self, tau: float, verify: bool, block_size: int) -> None:
         self.tau, self.verify, self.block_size = tau, verify, block_size  # through the checks below
@@ -23,7 +27,7 @@ class Operable:
 
     @tau.setter
     def tau(self, tau: float) -> None:
-        self.rules.check_tau(tau)
+        DecodeConfig.check_tau(tau, "tau")
         self._tau = tau
         self.metrics.tau(tau)
 
@@ -43,3 +47,18 @@ class Operable:
     def block_size(self, block_size: int) -> None:
         self.rules.check_block_size(block_size)
         self._block_size = block_size
+
+    @property
+    def max_context(self) -> int:
+        return self.rules.max_context
+
+    @property
+    def max_block_size(self) -> int:
+        return self.rules.max_block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rules.vocab_size
+
+    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
+        self.rules.check_token_ids(tokens, field)

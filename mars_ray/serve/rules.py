@@ -1,8 +1,9 @@
 """What a request may ask of one served model, checked before any forward: one home for both engines.
 
 A request's fields become the `DecodeConfig` it decodes with (the native decoder runs it; vLLM gets it as
-`SamplingParams` and the MARS proposer's fields), or a `RequestError` naming the field at fault (HTTP 400).
-The replica's operating point (tau, verify, window) fills what a request leaves unset.
+`SamplingParams` and the MARS proposer's fields), or a `ConfigError` naming the field at fault as the engine
+knows it (the ingress answers it with a 400 under the request's name of that field). The replica's operating
+point (tau, verify, window) fills what a request leaves unset.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mars_ray.core.decoding import TRAINED_BLOCK_SIZE, DecodeConfig
+from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE, DecodeConfig
 from mars_ray.core.errors import ConfigError
 from mars_ray.serve.config import ModelConfig
-from mars_ray.serve.types import RequestError, SamplingParams
+from mars_ray.serve.types import SamplingParams
 
 MAX_UNTRAINED_BLOCK_SIZE = 16  # the widest window a model that records no trained B may be asked for
 
@@ -46,36 +47,30 @@ class RequestRules:
         """The rules of a served model: `config` the replica's, `model_config` the checkpoint's."""
         trained = getattr(model_config, TRAINED_BLOCK_SIZE, None)
         max_block_size = config.max_block_size or trained or MAX_UNTRAINED_BLOCK_SIZE
-        if decode.block_size > max_block_size:
-            raise ConfigError("block_size", f"{decode.block_size} exceeds max_block_size {max_block_size}")
+        DecodeConfig.check_block_size(decode.block_size, "block_size", max_block_size)
         max_context = max_context_of(config, model_config)
         return cls(vocab_size, max_context, max_block_size, config.max_tokens, decode)
 
-    def check_tau(self, tau: float) -> None:
-        """An operating tau (the replica's; a request's is checked by `DecodeConfig` with the rest)."""
-        if not 0 < tau <= 1:
-            raise ValueError(f"tau must be in (0, 1], got {tau}")
-
     def check_block_size(self, block_size: int) -> None:
-        if not 1 <= block_size <= self.max_block_size:
-            raise ValueError(f"block_size must be in [1, {self.max_block_size}], got {block_size}")
+        """A window this model may be asked for: the replica's, or a request's."""
+        DecodeConfig.check_block_size(block_size, "block_size", self.max_block_size)
 
     def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
         """Ids of tokens the model has (a 400 naming `field` otherwise): any other id would index past
         its embedding (on CUDA, a device-side assert that breaks every later forward)."""
         if not all(0 <= token < self.vocab_size for token in tokens):
-            raise RequestError(f"token ids must be in [0, {self.vocab_size})", field)
+            raise ConfigError(field, f"token ids must be in [0, {self.vocab_size})")
 
     def check_prompt(self, prompt: Sequence[int], field: str) -> int:
         """A prompt any forward may take: not empty, known ids, within the context. Returns the room left
         for the completion. Checked before anything reads the prompt (a request, echo)."""
         if not prompt:
-            raise RequestError("the prompt is empty", field)
+            raise ConfigError(field, "the prompt is empty")
         self.check_token_ids(prompt, field)
         room = self.max_context - len(prompt)
         if room < 1:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context}", field
+            raise ConfigError(
+                field, f"the prompt has {len(prompt)} tokens; this model's context is {self.max_context}"
             )
         return room
 
@@ -92,43 +87,38 @@ class RequestRules:
         room = self.check_prompt(prompt, prompt_field)
         max_tokens = params.max_tokens if params.max_tokens is not None else min(self.max_tokens, room)
         if max_tokens > room:
-            raise RequestError(
+            raise ConfigError(
+                "max_tokens",
                 f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: together more than "
                 f"this model's context of {self.max_context}",
-                "max_tokens",
             )
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         stops = () if params.ignore_eos else self.decode.stop_token_ids
-        block_size = block_size if params.block_size is None else params.block_size
-        if not 1 <= block_size <= self.max_block_size:
-            raise RequestError(f"block_size must be in [1, {self.max_block_size}]", "block_size")
-        tau, verify = point_for(params, tau, verify)
-        try:
-            return dataclasses.replace(
-                self.decode,
-                tau=tau,
-                block_size=block_size,
-                verify=verify,
-                max_new_tokens=max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                seed=params.seed,
-                logprobs=params.logprobs,
-                stop_token_ids=tuple(dict.fromkeys(stops + params.stop_token_ids)),
-                min_tokens=min(params.min_tokens, max_tokens),
-            )
-        except ConfigError as error:
-            field = {"max_new_tokens": "max_tokens"}.get(error.field, error.field)
-            raise RequestError(error.message, field) from None
+        tau, verify, block_size = point_for(params, tau, verify, block_size)
+        self.check_block_size(block_size)
+        return dataclasses.replace(
+            self.decode,
+            tau=tau,
+            block_size=block_size,
+            verify=verify,
+            max_new_tokens=max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            logprobs=params.logprobs,
+            stop_token_ids=tuple(dict.fromkeys(stops + params.stop_token_ids)),
+            min_tokens=min(params.min_tokens, max_tokens),
+        )
 
 
-def point_for(params: SamplingParams, tau: float, verify: bool) -> tuple[float, bool]:
-    """The tau and mode a request decodes with: its own choices, else the replica's operating point
-    (`tau`, `verify`). The replica's verified mode is lossless, and its tau only picks the proposals worth
-    checking (it may sit below the operator's `tau_min`): a request that point cannot verify (sampled:
-    verification is greedy only; or one that turns `verify` off) decodes exactly there, at tau 1, never
-    lossy at it."""
+def point_for(params: SamplingParams, tau: float, verify: bool, block_size: int) -> tuple[float, bool, int]:
+    """The tau, mode and window a request decodes with: its own choices, else the replica's operating point
+    (`tau`, `verify`, `block_size`). The replica's verified mode is lossless, and its tau only picks the
+    proposals worth checking (it may sit below the operator's `tau_min`): a request that point cannot verify
+    (sampled: verification is greedy only; or one that turns `verify` off) decodes exactly there, at tau 1,
+    never lossy at it."""
+    block_size = block_size if params.block_size is None else params.block_size
     request_verify = params.verify if params.verify is not None else verify and params.temperature == 0
     if params.tau is not None:
-        return params.tau, request_verify
-    return (1.0 if verify and not request_verify else tau), request_verify
+        return params.tau, request_verify, block_size
+    return (1.0 if verify and not request_verify else tau), request_verify, block_size

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from mars_ray.serve.config import BlockSizeOrNone, TauOrNone
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 
 
@@ -59,8 +60,8 @@ class _Request(BaseModel):
     ignore_eos: bool = Field(False, description="the model's stop tokens do not end the reply")
     min_tokens: int = Field(0, ge=0, description="no stop token before this many tokens")
     include_stop_str_in_output: bool = Field(False, description="the text ends after a stop string")
-    tau: float | None = Field(None, gt=0, le=1, description="MARS confidence threshold; 1 = exact greedy AR")
-    block_size: int | None = Field(None, ge=1, description="MARS window: tokens proposed per forward")
+    tau: TauOrNone = Field(None, description="MARS confidence threshold; 1 = exact greedy AR")
+    block_size: BlockSizeOrNone = Field(None, description="MARS window: tokens proposed per forward")
     verify: bool | None = Field(
         None, description="MARS verified decoding: exactly greedy at any tau (tau picks the proposals)"
     )
@@ -193,6 +194,16 @@ def error_param(loc: tuple) -> str | None:
     indices and field names kept, the union branch names pydantic adds (`str`, `list[int]`) dropped."""
     parts = [str(part) for part in loc if isinstance(part, int) or part in FIELD_NAMES]
     return ".".join(parts) or None
+
+
+# Where an engine's name of a field (`DecodeConfig`'s) is not the request's: renamed here, once, for the
+# `param` of the 400.
+REQUEST_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def request_field(field: str) -> str:
+    """The request's name of a field that an engine's `ConfigError` names."""
+    return REQUEST_NAMES.get(field, field)
 
 
 def error_body(

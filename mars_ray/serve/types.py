@@ -1,22 +1,11 @@
 """What a request asks of a replica's engine and what comes back, the same for either engine: the fields
-(`SamplingParams`), the streamed pieces (`Chunk`, with `Logprob`s) and the one error a request can get
-(`RequestError`, an HTTP 400 naming its field)."""
+(`SamplingParams`) and the streamed pieces (`Chunk`, with `Logprob`s). A request the engine cannot serve as
+asked raises `mars_ray.core.errors.ConfigError` naming the field at fault (HTTP 400)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (HTTP 400); `param` names the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message, param)  # both in `args`, so the error pickles across Ray intact
-        self.message, self.param = message, param
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass(frozen=True)

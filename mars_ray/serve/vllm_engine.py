@@ -1,6 +1,6 @@
 """The replica's engine on vLLM: `AsyncLLM` with MARS as its speculative method (`mars_ray.vllm`), behind
-the same protocol as the native engine (`Engine`): `load`, `warm_up`, `generate` streaming `Chunk`s,
-`prompt_logprobs`, the operating point (`tau`, `verify`, `block_size`), `stats`, `close`.
+the same protocol as the native engine (`protocol.ServingEngine`): `load`, `warm_up`, `generate` streaming
+`Chunk`s, `prompt_logprobs`, the operating point (`tau`, `verify`, `block_size`), `stats`, `close`.
 
 Why the project's deployment hosts vLLM instead of Ray Serve LLM's `LLMServer`: the replica keeps what
 Ray Serve LLM has no place for, the per-request `tau` / `verify` / `block_size` fields and their checks (a
@@ -20,12 +20,13 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from mars_ray import models
-from mars_ray.core.decoding import DecodeConfig
+from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.point import Operable
+from mars_ray.serve.protocol import EngineMetrics
 from mars_ray.serve.rules import RequestRules
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
@@ -37,20 +38,24 @@ from mars_ray.vllm.passes import forward_passes, histogram_of
 class VllmEngine(Operable):
     """vLLM's `AsyncLLM` for one model; `generate` streams `Chunk`s per request."""
 
-    def __init__(self, llm, tokenizer, config: ModelConfig, rules: RequestRules, metrics) -> None:
+    tokenizer: PreTrainedTokenizerBase
+
+    def __init__(
+        self,
+        llm,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ModelConfig,
+        rules: RequestRules,
+        metrics: EngineMetrics,
+    ) -> None:
         self.llm, self.tokenizer, self.config, self.rules = llm, tokenizer, config, rules
         self.metrics = metrics
-        self.max_context, self.vocab_size, self.max_block_size = (
-            rules.max_context,
-            rules.vocab_size,
-            rules.max_block_size,
-        )
         self._start_at(config.tau, config.verify, rules.decode.block_size)
         self._in_flight = 0
         self._recorder = StatsRecorder(config.stats_window_s)
 
     @classmethod
-    def load(cls, config: ModelConfig, metrics) -> VllmEngine:
+    def load(cls, config: ModelConfig, metrics: EngineMetrics) -> VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -70,20 +75,15 @@ class VllmEngine(Operable):
             int(checkpoint.config.vocab_size),
         )
         engine = dict(
-            model=path,
             dtype=config.dtype,
             max_model_len=rules.max_context,
             max_num_seqs=config.max_batch_size,
             enforce_eager=not config.compile,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             seed=0,
-            **mars_engine_args(path),
-        )
+        ) | mars_engine_args(path)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
         return cls(llm, tokenizer, config, rules, metrics)
-
-    def check_token_ids(self, tokens: Sequence[int], field: str) -> None:
-        self.rules.check_token_ids(tokens, field)
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
@@ -103,7 +103,7 @@ class VllmEngine(Operable):
             include_stop_str_in_output=params.include_stop_str_in_output,
             skip_special_tokens=True,
         )
-        mode = "ar" if config.window == 1 else "verify" if config.verify else "mars"
+        mode = config.mode
         request_id, arrived, last = uuid.uuid4().hex, time.monotonic(), None
         completion = forwards = 0
         finish = None

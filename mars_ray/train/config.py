@@ -15,7 +15,8 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mars_ray import models
+from mars_ray import data, models
+from mars_ray.core.errors import ConfigError
 
 Stage = Literal["ar-sft", "mars"]
 
@@ -133,8 +134,8 @@ class TrainConfig(BaseModel):
         if value not in models.PRESETS:
             try:
                 models.resolve(value)
-            except FileNotFoundError as error:
-                raise ValueError(str(error)) from None
+            except ConfigError as error:
+                raise ValueError(error.message) from None
         return value
 
     @field_validator("output_dir")
@@ -183,6 +184,11 @@ class TrainConfig(BaseModel):
             return torch.bfloat16 if native else None
         return torch.bfloat16 if self.precision == "bf16" else None
 
+    def split_of(self, source: str) -> str:
+        """The split `source` trains on: a bundled source's `train` (never its held-out), else
+        `dataset_split`."""
+        return "train" if source in data.BUNDLED_SOURCES else self.dataset_split
+
     def total_steps(self, num_examples: int) -> int:
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.global_batch))
 
@@ -191,11 +197,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
     """A `TrainConfig` from a YAML file (or none) and `key=value` overrides, validated."""
     values = (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
     if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of config keys")
+        raise ConfigError("config", f"{path}: expected a mapping of config keys")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
+            raise ConfigError("overrides", f"{item!r} is not key=value")
         *parents, leaf = key.strip().split(".")  # `lora.r=8` sets one key of a nested mapping
         target = values
         for part in parents:

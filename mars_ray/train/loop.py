@@ -25,10 +25,10 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 import transformers
-from ray.train.v2._internal.execution import context as ray_train_context
 from transformers import get_cosine_schedule_with_warmup
 
 from mars_ray import models
+from mars_ray.checkpoint_meta import CheckpointMeta
 from mars_ray.core.objective import Example, ScoredLM
 from mars_ray.train import lora, sharding, stream
 from mars_ray.train.config import Stage, TrainConfig
@@ -49,10 +49,8 @@ from mars_ray.train.steps import (
 
 def train_worker(loop_config: dict) -> None:
     """Ray Train entry point, run by every worker: one stage, resumed from the latest checkpoint if any."""
-    # Quiet workers (the driver prints a line per step): Ray 2.60 logs each report at INFO on a logger
-    # named after its file, out of LoggingConfig's reach; transformers draws a bar per load and save.
-    logging.getLogger(ray_train_context.__file__).setLevel(logging.WARNING)
-    transformers.utils.logging.disable_progress_bar()
+    _quiet_ray_file_loggers()
+    transformers.utils.logging.disable_progress_bar()  # a bar per load and save
     config: TrainConfig = loop_config["config"]
     stage: Stage = loop_config["stage"]
     total_steps: int = loop_config["total_steps"]
@@ -69,7 +67,8 @@ def train_worker(loop_config: dict) -> None:
                 print(f"[{stage}] {name} refused ({error}): trying the checkpoint before it")
         trained, tokenizer, lm = _load_model(config, loop_config["source"], saved)
         if stage == "mars":
-            lm.config.mars_block_size = config.block_size  # decoders default their window to it
+            # decoders default their window to the B it trained with
+            CheckpointMeta(block_size=config.block_size).apply(lm.config)
         trained.train()
         if config.strategy == "fsdp":
             bf16_params = device.type == "cuda" and config.autocast_dtype("cuda") == torch.bfloat16
@@ -157,6 +156,16 @@ def train_worker(loop_config: dict) -> None:
                 save_checkpoint(Path(folder), trained, tokenizer, optimizer, scheduler, step, extra)
                 saved = ray.train.Checkpoint.from_directory(folder)
             ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=checkpoint_name(step, refused))
+
+
+def _quiet_ray_file_loggers() -> None:
+    """Quiet workers: the driver prints a line per step. Ray 2.60 logs each report at INFO on a logger named
+    after its source file (`getLogger(__file__)`), outside the `ray.train` logger that `LoggingConfig`
+    sets: every logger named by a file of the installed Ray is set to WARNING here, in the worker."""
+    ray_files = os.path.dirname(ray.__file__) + os.sep
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(ray_files):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 CHECKPOINT_NAME = re.compile(r"checkpoint_(\d+)(?:\.(\d+))?")  # `checkpoint_name`'s

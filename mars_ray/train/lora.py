@@ -20,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from mars_ray import models
+from mars_ray.checkpoint_meta import CheckpointMeta
 from mars_ray.core import gated
 from mars_ray.core.errors import ConfigError
 from mars_ray.train.config import LoraSettings
@@ -97,7 +98,6 @@ def export(adapter: Path, base: str, final: Path, block_size: int | None) -> Non
         return
     model, tokenizer = models.load(base, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    if block_size is not None:
-        merged.config.mars_block_size = block_size
+    CheckpointMeta(block_size=block_size).apply(merged.config)
     merged.save_pretrained(final)
     tokenizer.save_pretrained(final)

@@ -20,18 +20,16 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import ray.train
-import yaml
 from ray.train.torch import TorchTrainer
 from transformers import AutoTokenizer
 
-from mars_ray import data, models
+from mars_ray import data, folders, models
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import Example
 from mars_ray.train import lora, sharding, stream
 from mars_ray.train.config import Stage, TrainConfig
@@ -50,39 +48,30 @@ POLL_INTERVAL = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 def prepare_data(config: TrainConfig, tokenizer) -> tuple[list[Example], list[data.DataReport]]:
     """Load and tokenize every source on the driver, before any worker starts; report what was skipped."""
-    examples, reports = [], []
-    for i, source in enumerate(config.datasets):
-        split = "train" if source in data.BUNDLED_SOURCES else config.dataset_split  # never their held-out
-        try:
-            rows = data.load_chats(source, split, config.tasks_count)
-        except (ValueError, OSError) as error:
-            raise ValueError(f"datasets[{i}]: {error}") from None
-        source_examples, report = data.tokenize_chats(rows, tokenizer, config.max_length, source)
-        examples += source_examples
-        reports.append(report)
+    tokenized = data.load_each(
+        config.datasets,
+        "datasets",
+        lambda source: data.tokenize_chats(
+            data.load_chats(source, config.split_of(source), config.tasks_count),
+            tokenizer,
+            config.max_length,
+            source,
+        ),
+    )
+    examples = [example for source_examples, _ in tokenized for example in source_examples]
     if not examples:
-        raise ValueError(f"datasets: no usable rows in {config.datasets}")
-    return examples, reports
+        raise ConfigError("datasets", f"no usable rows in {config.datasets}")
+    return examples, [report for _, report in tokenized]
 
 
 def check_rerun(config: TrainConfig) -> None:
     """A run name is resumed only under the config it started with: its checkpoints depend on it."""
-    saved_path = config.run_dir / "config.yaml"
-    current = config.model_dump()
-    if saved_path.exists():
-        saved = yaml.safe_load(saved_path.read_text())
-        changed = sorted(k for k in current.keys() | saved.keys() if saved.get(k) != current.get(k))
-        resumable = RESUMABLE_CHANGES
+
+    def resumable(saved: dict) -> set[str]:
         saved_batch = math.prod(saved.get(k, 0) for k in ("batch_size", "grad_accum", "num_workers"))
-        if saved_batch == config.global_batch:
-            resumable = resumable | WORKER_LAYOUT
-        if set(changed) - resumable:
-            raise ValueError(
-                f"run {config.name!r} in {config.output_dir} has other values for {', '.join(changed)}:"
-                " use another name, or the same config to resume"
-            )
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    saved_path.write_text(yaml.safe_dump(current, sort_keys=False))
+        return RESUMABLE_CHANGES | (WORKER_LAYOUT if saved_batch == config.global_batch else set())
+
+    folders.check_rerun(config.run_dir / "config.yaml", config.model_dump(), resumable, "name")
 
 
 class ProgressLog(ray.train.UserCallback):
@@ -115,14 +104,6 @@ class ProgressLog(ray.train.UserCallback):
             + (" (checkpoint)" if checkpoint else ""),
             flush=True,
         )
-
-
-def _publish(final: Path, fill: Callable[[Path], None]) -> None:
-    """Fill a staging folder beside `final`, then swap it in: `final` is whole or absent."""
-    staging = Path(tempfile.mkdtemp(prefix=".final-", dir=final.parent))
-    fill(staging)
-    shutil.rmtree(final, ignore_errors=True)
-    staging.rename(final)
 
 
 def _checkpoint_files(checkpoint: ray.train.Checkpoint, folder: Path) -> None:
@@ -173,12 +154,12 @@ def fit_stage(
     result = trainer.fit()
     final = stage_dir / "final"
     if config.lora is None:
-        _publish(final, lambda folder: _checkpoint_files(result.checkpoint, folder))
+        folders.publish(final, lambda folder: _checkpoint_files(result.checkpoint, folder))
         return final
     adapter = final.with_name(final.name + lora.ADAPTER_SUFFIX)
-    _publish(adapter, lambda folder: _checkpoint_files(result.checkpoint, folder))
+    folders.publish(adapter, lambda folder: _checkpoint_files(result.checkpoint, folder))
     block_size = config.block_size if stage == "mars" else None
-    _publish(final, lambda folder: lora.export(adapter, source, folder, block_size))
+    folders.publish(final, lambda folder: lora.export(adapter, source, folder, block_size))
     return final
 
 

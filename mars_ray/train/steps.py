@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import resource
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -24,23 +23,27 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
+from mars_ray import folders
 from mars_ray.core import gated
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import IGNORE, Example, ar_loss, collate_ar, collate_mars, mars_loss
+from mars_ray.train import batching
 from mars_ray.train.config import Stage
 
 TRAINER_STATE = "trainer_state.pt"  # optimizer, scheduler and step: the part of a checkpoint HF does not load
 MANIFEST = "checkpoint.json"  # written last: the step, and the size and SHA-256 of every other file
 
 
-class IncompleteCheckpoint(ValueError):
-    """A checkpoint folder a crash left behind (or one altered since): `path` names the file at fault."""
+class IncompleteCheckpoint(ConfigError):
+    """A checkpoint folder a crash left behind (or one altered since), as the `checkpoint` to resume from:
+    `path` names the file at fault."""
 
     def __init__(self, folder: Path, path: str, problem: str) -> None:
-        super().__init__(folder, path, problem)
+        super().__init__("checkpoint", f"{folder} is incomplete: {path} {problem}")
         self.folder, self.path, self.problem = folder, path, problem
 
-    def __str__(self) -> str:
-        return f"incomplete checkpoint {self.folder}: {self.path} {self.problem}"
+    def __reduce__(self):
+        return type(self), (self.folder, self.path, self.problem)  # it crosses Ray from a worker, whole
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,8 @@ class Objective:
 
 class BatchSampler:
     """The example indices of each optimizer step, the same on every worker: consecutive slices of a stream
-    of seeded per-epoch shuffles. With `group_by_length` (HF's Trainer option, which the paper used) each
-    run of `MEGABATCH` batches is sorted by length before it is cut into batches, so a batch pads little;
-    the batches are then shuffled, so consecutive steps do not walk from long chats to short ones."""
-
-    MEGABATCH = 50
+    of seeded per-epoch shuffles, cut by `group_by_length` (HF's Trainer option, which the paper used) when
+    it is set."""
 
     def __init__(self, lengths: Sequence[int], global_batch: int, seed: int, group_by_length: bool) -> None:
         self.lengths, self.global_batch, self.seed = list(lengths), global_batch, seed
@@ -104,19 +104,15 @@ class BatchSampler:
 
     def epoch(self, epoch: int) -> list[int]:
         if epoch not in self.epochs:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(self.lengths), generator=generator).tolist()
+            generator = torch.Generator().manual_seed(batching.epoch_seed(self.seed, epoch))
+
+            def shuffled(count: int) -> list[int]:
+                return torch.randperm(count, generator=generator).tolist()
+
+            order = shuffled(len(self.lengths))
             if self.group_by_length:
-                size, mega = self.global_batch, self.MEGABATCH * self.global_batch
-                by_length = [
-                    i
-                    for m in range(0, len(order), mega)
-                    for i in sorted(order[m : m + mega], key=self.length)
-                ]
-                batches = [by_length[b : b + size] for b in range(0, len(by_length), size)]
-                order = [
-                    i for b in torch.randperm(len(batches), generator=generator).tolist() for i in batches[b]
-                ]
+                batches = batching.group_by_length(order, self.global_batch, self.length, shuffled)
+                order = [i for batch in batches for i in batch]
             self.epochs = {e: o for e, o in self.epochs.items() if e == epoch - 1}  # a batch spans two
             self.epochs[epoch] = order
         return self.epochs[epoch]
@@ -247,9 +243,7 @@ def write_manifest(folder: Path, step: int, rank: int = 0, world_size: int = 1) 
         if path.is_file() and not is_manifest(path.name)
     }
     manifest = {"step": step, "files": files} | ({"world_size": world_size} if rank == 0 else {})
-    staged = folder / f".{manifest_name(rank)}.tmp"
-    staged.write_text(json.dumps(manifest, indent=1))
-    os.replace(staged, folder / manifest_name(rank))  # atomic: the manifest is whole or absent
+    folders.write_file(folder / manifest_name(rank), json.dumps(manifest, indent=1))  # whole or absent
 
 
 def verify_checkpoint(folder: Path) -> int:

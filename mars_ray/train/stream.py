@@ -9,9 +9,9 @@ holds the data.
 A worker takes its micro-batches as a fixed number of rows (`batch_size`), of which the skipped ones are
 dropped and counted, so every worker takes the same number of micro-steps per epoch and none waits for
 another at an epoch's end. The loss is normalised by the joined batch's kept examples (or tokens), summed
-over the workers, as in memory. `group_by_length` sorts each run of `MEGABATCH` micro-batches by length
-before it is cut, then shuffles their order (the in-memory rule, applied to each worker's stream). Each
-epoch reads the blocks in a new seeded order through a seeded local shuffle buffer.
+over the workers, as in memory. `group_by_length` is the in-memory rule (`batching.py`), applied to each
+worker's stream in windows of `MEGABATCH` micro-batches. Each epoch reads the blocks in a new seeded order
+through a seeded local shuffle buffer.
 
 `data_report.json` counts, per source, the rows the run has read (kept, cut, skipped by reason); it is
 written at every checkpoint, and after a full epoch it equals the in-memory report. A resumed run skips the
@@ -34,9 +34,10 @@ import ray.data
 from transformers import AutoTokenizer
 
 from mars_ray import data
+from mars_ray.core.errors import ConfigError
 from mars_ray.core.objective import Example
+from mars_ray.train import batching
 
-MEGABATCH = 50
 SHUFFLE_BUFFER = 1024  # rows in each worker's local shuffle buffer
 BLOCK_BYTES = 1 << 20
 
@@ -93,13 +94,13 @@ def plan(config, model: str) -> tuple[ray.data.Dataset, int]:
     # Small output blocks: a worker's first rows are ready once a few thousand chats are tokenized, not
     # when a task has tokenized its whole file (Ray Data's default cuts blocks at 128 MiB).
     ray.data.DataContext.get_current().target_max_block_size = BLOCK_BYTES
+    sources = data.load_each(
+        config.datasets,
+        "datasets",
+        lambda source: source_dataset(source, config.split_of(source), config.tasks_count),
+    )
     parts, rows = [], 0
-    for i, source in enumerate(config.datasets):
-        split = "train" if source in data.BUNDLED_SOURCES else config.dataset_split
-        try:
-            source_rows = source_dataset(source, split, config.tasks_count)
-        except (ValueError, OSError) as error:
-            raise ValueError(f"datasets[{i}]: {error}") from None
+    for source, source_rows in zip(config.datasets, sources, strict=True):
         rows += source_rows.count()  # before the map, which could change the count: Parquet metadata only
         parts.append(
             source_rows.map_batches(
@@ -111,7 +112,7 @@ def plan(config, model: str) -> tuple[ray.data.Dataset, int]:
         )
     union = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     if not rows:
-        raise ValueError(f"datasets: no rows in {config.datasets}")
+        raise ConfigError("datasets", f"no rows in {config.datasets}")
     return union, rows
 
 
@@ -132,20 +133,22 @@ class StreamedBatches:
                 batch_size=256,
                 batch_format="pyarrow",
                 local_shuffle_buffer_size=SHUFFLE_BUFFER,
-                local_shuffle_seed=self.seed * 1_000_003 + epoch,
+                local_shuffle_seed=batching.epoch_seed(self.seed, epoch),
             )
             for batch in batches:
                 yield from batch.to_pylist()
 
     def _fill(self) -> None:
-        window = MEGABATCH if self.group_by_length else 1
-        rows = list(itertools.islice(self.stream, window * self.rows))
-        if self.group_by_length:
-            rows.sort(key=lambda row: len(row["input_ids"]))
-        groups = [rows[g : g + self.rows] for g in range(0, len(rows), self.rows)]
-        if self.group_by_length:
-            self.order.shuffle(groups)
-        self.pending += groups
+        if not self.group_by_length:
+            self.pending.append(list(itertools.islice(self.stream, self.rows)))
+            return
+        rows = list(itertools.islice(self.stream, batching.MEGABATCH * self.rows))
+        self.pending += batching.group_by_length(rows, self.rows, _length, self._permutation)
+
+    def _permutation(self, count: int) -> list[int]:
+        order = list(range(count))
+        self.order.shuffle(order)
+        return order
 
     def next(self, count: bool = True) -> list[Example]:
         """The next micro-batch's kept examples; `count=False` skips rows without counting them (resume)."""
@@ -162,6 +165,10 @@ class StreamedBatches:
             counts["truncated"] += bool(row["truncated"])
             examples.append(Example(row["input_ids"], row["labels"], complete=not row["truncated"]))
         return examples
+
+
+def _length(row: dict) -> int:
+    return len(row["input_ids"])
 
 
 def add_counts(reports: list[dict[str, Counter]]) -> dict[str, Counter]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mars_ray.core.decoding import accept_length
+from mars_ray.core.decode_state import accept_length
 from mars_ray.vllm.settings import DraftSettings
 
 

@@ -8,8 +8,10 @@ from typing import Literal
 
 from transformers import AutoTokenizer
 
-from mars_ray.core.decoding import DEFAULT_BLOCK_SIZE, TRAINED_BLOCK_SIZE
+from mars_ray.core import gated
+from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE
 from mars_ray.core.errors import ConfigError
+from mars_ray.vllm import gated as vllm_gated
 from mars_ray.vllm.passes import METRICS_LEVEL
 
 PROPOSER = "mars_ray.vllm.proposer.MarsProposer"
@@ -18,32 +20,40 @@ Engine = Literal["native", "vllm"]  # what decodes: this project's decoders, or 
 ENGINE_HELP = "native: this project's decoder (the reference); vllm: vLLM with MARS as its speculative method"
 
 
-def trained_block_size(model: str | Path) -> int:
-    """The B a checkpoint was trained with (`mars_block_size` in its config.json)."""
+def trained_block_size(model: str | Path) -> int | None:
+    """The B a checkpoint was trained with (`mars_block_size` in its config.json); None if it records none."""
     config = Path(model) / "config.json"
     if not config.is_file():
         raise ConfigError("model", f"{model}: no config.json (a local MARS checkpoint folder is needed)")
-    return int(json.loads(config.read_text()).get(TRAINED_BLOCK_SIZE) or DEFAULT_BLOCK_SIZE)
+    block_size = json.loads(config.read_text()).get(TRAINED_BLOCK_SIZE)
+    return int(block_size) if block_size else None
 
 
 def speculative_config(model: str | Path) -> dict:
     """vLLM's `speculative_config` for MARS on `model`: room for B - 1 carried proposals and B - 1 masks
     in each forward, so that a request whose proposals all hold gets its next ones from the same forward."""
-    block_size = trained_block_size(model)
+    block_size = trained_block_size(model) or 0
     if block_size < 2:
         raise ConfigError("model", f"{model} was trained with B = {block_size}: nothing to draft")
     return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": 2 * (block_size - 1)}
 
 
 def is_mars_checkpoint(model: str | Path) -> bool:
-    """A folder whose tokenizer has a mask token (what MARS training and `prepare_for_mars` save)."""
+    """A folder MARS training wrote: it records its B and its tokenizer has a mask token. A base `prepare`
+    gave a mask token but that never trained has nothing to draft with: vLLM serves it as plain AR."""
+    if trained_block_size(model) is None:
+        return False
     return AutoTokenizer.from_pretrained(model).mask_token is not None
 
 
 def mars_engine_args(model: str | Path) -> dict:
-    """vLLM engine arguments for `model`: MARS as its speculative method, with the per-request metrics a
-    request's forward passes are counted from, where it is a MARS checkpoint; none for a plain model (vLLM
-    refuses speculative metrics without a speculative method)."""
+    """vLLM engine arguments for `model` (its `model` among them): MARS as its speculative method, with the
+    per-request metrics a request's forward passes are counted from, where it is a MARS checkpoint; for a
+    gated folder, its base as vLLM's model with the adapter attached (`mars_ray.vllm.gated`); a plain model
+    as it is (vLLM refuses speculative metrics without a speculative method)."""
     if not is_mars_checkpoint(model):
-        return {}
-    return {"speculative_config": speculative_config(model), "per_request_spec_decode_metrics": METRICS_LEVEL}
+        return {"model": str(model)}
+    mars = {"speculative_config": speculative_config(model), "per_request_spec_decode_metrics": METRICS_LEVEL}
+    if gated.read_spec(model) is not None:
+        return vllm_gated.engine_args(model) | mars
+    return {"model": str(model)} | mars

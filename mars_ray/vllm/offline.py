@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mars_ray.core.decoding import DecodeConfig, DecodeResult, TokenLogprob
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.decode_state import DecodeResult, TokenLogprob
+from mars_ray.core.dtypes import DtypeName
 from mars_ray.vllm.config import mars_engine_args
 from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 
@@ -45,18 +47,20 @@ class VllmDecoder:
     """vLLM on one checkpoint: with the MARS proposer where it is a MARS checkpoint (it has a mask token),
     plain vLLM AR otherwise (a base model beside its MARS model, say)."""
 
-    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, **engine) -> None:
+    def __init__(
+        self, model: str, dtype: DtypeName = "auto", max_model_len: int | None = None, **engine
+    ) -> None:
         from vllm import LLM
 
         engine.setdefault("kv_cache_memory_bytes", KV_CACHE_BYTES)
         engine |= mars_engine_args(model)
-        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, **engine)
+        self.llm = LLM(**({"dtype": dtype, "max_model_len": max_model_len} | engine))
 
     def decode(
         self, prompts: Sequence[Sequence[int]], config: DecodeConfig | Sequence[DecodeConfig]
     ) -> list[DecodeResult]:
         """Decode the prompts together (vLLM batches them continuously); results in prompt order."""
-        configs = [config] * len(prompts) if isinstance(config, DecodeConfig) else list(config)
+        configs = list(config) if isinstance(config, Sequence) else [config] * len(prompts)
         params = [sampling_params(c) for c in configs]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         results = []

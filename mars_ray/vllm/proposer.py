@@ -17,9 +17,11 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoTokenizer
 
-from mars_ray.core.decoding import DEFAULT_BLOCK_SIZE, SLOT_TEMPERATURES, TRAINED_BLOCK_SIZE
+from mars_ray.core import gated
+from mars_ray.core.decode_config import DEFAULT_BLOCK_SIZE, SLOT_TEMPERATURES, TRAINED_BLOCK_SIZE
 from mars_ray.core.errors import ConfigError
 from mars_ray.vllm import cpu_fix
+from mars_ray.vllm import gated as vllm_gated
 from mars_ray.vllm.acceptance import Proposals, Vocabulary, keep_confident, read_forward
 from mars_ray.vllm.settings import DraftSettings, settings_of
 
@@ -31,7 +33,7 @@ class MarsProposer:
 
     def __init__(self, vllm_config) -> None:
         model_config = vllm_config.model_config
-        hf_config = model_config.hf_config
+        hf_config = self.hf_config = model_config.hf_config
         tokenizer = AutoTokenizer.from_pretrained(
             model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
         )
@@ -48,8 +50,11 @@ class MarsProposer:
         self._read: list[Proposals | None] = []
         _install_hook()
 
-    def load_model(self, *args, **kwargs) -> None:
-        """vLLM loads a drafter's weights here; the target is this drafter."""
+    def load_model(self, target_model, *args, **kwargs) -> None:
+        """vLLM loads a drafter's weights here; the target is this drafter, plus the gated adapter where the
+        checkpoint is a gated folder (`mars_ray.vllm.gated`)."""
+        if getattr(self.hf_config, gated.MARKER, None):
+            vllm_gated.attach(target_model, self.hf_config)
 
     def observe(self, req_ids: Sequence[str], requests: dict, logits: torch.Tensor, metadata) -> None:
         """One forward's logits, before vLLM samples from them (see `acceptance`)."""

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mars_ray.core.decoding import DecodeConfig
+from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.errors import ConfigError
 
 DEFAULT_TAU = 0.9
@@ -34,7 +34,7 @@ class DraftSettings:
 
     @property
     def mode(self) -> str:
-        return "ar" if self.window == 1 else "verify" if self.verify else "mars"
+        return DecodeConfig.mode_of(self.window, self.verify)
 
     @property
     def relaxed(self) -> bool:
