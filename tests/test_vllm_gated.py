@@ -12,13 +12,19 @@ import os
 
 import pytest
 import torch
-from test_vllm_mars import MAX_MODEL_LEN, generate, greedy, hf_greedy, prompts, write_checkpoint
+from test_vllm_mars import (
+    MAX_MODEL_LEN,
+    generate,
+    greedy,
+    hf_greedy,
+    native_lossy,
+    prompts,
+    write_checkpoint,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_ray import models
 from mars_ray.core import gated
-from mars_ray.core.decode_config import DecodeConfig
-from mars_ray.core.decoder import decode_cached
 from mars_ray.vllm import speculative_config
 from mars_ray.vllm.config import mars_engine_args
 from mars_ray.vllm.gated import engine_args
@@ -94,11 +100,7 @@ def test_lossy_gated_requests_decode_as_the_native_gated_model(engines, folders)
     model, tokenizer = models.load(folder, dtype=torch.float32)
     batch = prompts(6, seed=11)
     got = generate(mars, batch, greedy(24, tau=0.5, verify=False))
-    firsts = [tokens[0] for tokens in generate(ar, batch, greedy(1))]
-    config = DecodeConfig.for_model(model, tokenizer, tau=0.5, max_new_tokens=23)
-    extended = [prompt + [first] for prompt, first in zip(batch, firsts, strict=True)]
-    native = decode_cached(model, extended, tokenizer.mask_token_id, config)
-    assert got == [[first] + r.tokens for first, r in zip(firsts, native, strict=True)]
+    assert got == native_lossy(ar, model, tokenizer, batch, 24, tau=0.5)
     assert got != generate(ar, batch, greedy(24))  # the adapter's drafts are not the base's greedy text
 
 

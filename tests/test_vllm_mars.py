@@ -176,12 +176,18 @@ def test_relaxed_requests_decode_as_the_native_lossy_decoder(engines, hf_model, 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     batch = prompts(6, seed=11)
     got = generate(mars, batch, greedy(32, tau=0.5, verify=False))
-    firsts = [tokens[0] for tokens in generate(ar, batch, greedy(1))]
-    config = DecodeConfig.for_model(hf_model, tokenizer, tau=0.5, max_new_tokens=31)
-    extended = [prompt + [first] for prompt, first in zip(batch, firsts, strict=True)]
-    native = decode_cached(hf_model, extended, tokenizer.mask_token_id, config)
-    assert got == [[first] + r.tokens for first, r in zip(firsts, native, strict=True)]
+    assert got == native_lossy(ar, hf_model, tokenizer, batch, 32, tau=0.5)
     assert got != generate(mars, batch, greedy(32, tau=0.5))  # lossy is not greedy on this model
+
+
+def native_lossy(ar, model, tokenizer, batch, max_tokens: int, tau: float) -> list[list[int]]:
+    """What vLLM's lossy requests should write: vLLM AR's first token (its prefill drafts nothing), then the
+    native lossy decoder from the prompt plus that token."""
+    firsts = [tokens[0] for tokens in generate(ar, batch, greedy(1))]
+    config = DecodeConfig.for_model(model, tokenizer, tau=tau, max_new_tokens=max_tokens - 1)
+    extended = [prompt + [first] for prompt, first in zip(batch, firsts, strict=True)]
+    native = decode_cached(model, extended, tokenizer.mask_token_id, config)
+    return [[first] + r.tokens for first, r in zip(firsts, native, strict=True)]
 
 
 def test_structured_output_decodes_as_ar(engines):
