@@ -23,7 +23,7 @@ from mars_ray.core.decoder import decode_cached
 from mars_ray.core.errors import ConfigError
 from mars_ray.evaluate import EvalConfig, evaluate
 from mars_ray.vllm import speculative_config
-from mars_ray.vllm.passes import forward_passes, histogram_of
+from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 from mars_ray.vllm.settings import check
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_verified_greedy_equals_vllm_ar_and_hf_generate(engines, hf_model, tau):
         assert tokens == hf_greedy(hf_model, prompt, budget)
     histograms = [histogram_of(o.outputs[0].spec_decode_metrics) for o in outputs]
     assert sum(sum(j * n for j, n in enumerate(h)) for h in histograms) > 0  # some proposals held
-    passes = [forward_passes(len(t), h) for t, h in zip(got, histograms, strict=True)]
+    passes = [len(accepted_per_forward(len(t), h)) for t, h in zip(got, histograms, strict=True)]
     assert sum(map(len, got)) > sum(passes)  # more than one token per forward
 
 

@@ -6,6 +6,7 @@ The checkpoint is a tiny random Llama with the tiny preset's tokenizer (test_vll
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 
@@ -118,3 +119,45 @@ def test_streaming_status_key_and_bad_fields(server, client):
     with pytest.raises(openai.BadRequestError) as refused:
         ask(client, MESSAGES[0], tau=1.5)
     assert refused.value.body["param"] == "tau"
+
+
+def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
+    """MARS acceptance on a vLLM replica: each finished request hands its metrics the tokens each of its
+    forwards took (what the Prometheus families count by position): as many forwards as its usage reports,
+    as many tokens as its reply, and at tau 0.5 forwards that accepted proposals. The engine without Serve."""
+    from mars_ray.serve.config import ModelConfig
+    from mars_ray.serve.protocol import EngineMetrics
+    from mars_ray.serve.types import SamplingParams
+    from mars_ray.serve.vllm_engine import VllmEngine
+
+    class Recorded(EngineMetrics):
+        def __init__(self) -> None:
+            self.requests: list[list[int]] = []
+
+        def request_forwards(self, accepted) -> None:
+            self.requests.append(list(accepted))
+
+    metrics = Recorded()
+    config = ModelConfig(model=checkpoint, name="mars", engine="vllm", dtype="float32", max_context=256)
+    prompt = list(range(5, 40))
+
+    async def run():
+        engine = VllmEngine.load(config, metrics)
+        try:
+            finals = []
+            for tau in (1.0, 0.5):
+                async for chunk in engine.generate(
+                    prompt, SamplingParams(max_tokens=24, tau=tau, ignore_eos=True)
+                ):
+                    last = chunk
+                finals.append(last)
+            return finals
+        finally:
+            await engine.close()
+
+    finals = asyncio.run(run())
+    assert len(metrics.requests) == 2
+    for final, steps in zip(finals, metrics.requests, strict=True):
+        assert (len(steps), sum(steps)) == (final.forward_passes, final.completion_tokens) == (len(steps), 24)
+    assert set(metrics.requests[0]) == {1}  # tau 1: plain AR, a token a forward
+    assert max(metrics.requests[1]) > 1

@@ -72,15 +72,24 @@ class ServeMetrics(EngineMetrics):
         self.forwards.inc()
         self.generation_tokens.inc(sum(accepted))
         for taken, offered in zip(accepted, drafted, strict=True):
-            self.tokens_per_forward.observe(taken)
             if offered:
-                kept = max(taken - 1, 0)
                 self.drafts.inc()
                 self.draft_tokens.inc(offered)
-                if kept:
-                    self.accepted_tokens.inc(kept)
-                for position in range(min(kept, MAX_DRAFT_POSITIONS)):
-                    self.accepted_per_pos.inc(tags={"position": str(position)})
+            self._took(taken)
+
+    def request_forwards(self, accepted: Sequence[int]) -> None:
+        self.generation_tokens.inc(sum(accepted))
+        for taken in accepted:
+            self._took(taken)
+
+    def _took(self, taken: int) -> None:
+        """One row's forward took `taken` tokens: the proposals it accepted and one of the target's own."""
+        self.tokens_per_forward.observe(taken)
+        kept = max(taken - 1, 0)
+        if kept:
+            self.accepted_tokens.inc(kept)
+        for position in range(min(kept, MAX_DRAFT_POSITIONS)):
+            self.accepted_per_pos.inc(tags={"position": str(position)})
 
     def admitted(self, queued_seconds: float, prompt_tokens: int) -> None:
         self.queue_time.observe(queued_seconds)

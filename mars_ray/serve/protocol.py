@@ -28,6 +28,12 @@ class EngineMetrics:
     def step(self, accepted: Sequence[int], drafted: Sequence[int]) -> None:
         """One forward: per row, the tokens it accepted and the proposals it was offered."""
 
+    def request_forwards(self, accepted: Sequence[int]) -> None:
+        """A finished request's forwards on an engine that batches out of this process's sight (vLLM): the
+        tokens each took, from its per-request speculative metrics (accepted drafts are accepted carried
+        proposals: a mask slot is never accepted). No count of proposals offered: vLLM counts every mask
+        slot as a draft."""
+
     def admitted(self, queued_seconds: float, prompt_tokens: int) -> None:
         """A request got its row after waiting this long."""
 

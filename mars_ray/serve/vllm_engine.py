@@ -32,7 +32,7 @@ from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 from mars_ray.vllm.config import mars_engine_args
 from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
-from mars_ray.vllm.passes import forward_passes, histogram_of
+from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 
 
 class VllmEngine(Operable):
@@ -127,7 +127,9 @@ class VllmEngine(Operable):
                     last = now
                 if output.finished:
                     finish = piece.finish_reason if piece.finish_reason in ("stop", "length") else "error"
-                    forwards = forward_passes(completion, histogram_of(piece.spec_decode_metrics))
+                    steps = accepted_per_forward(completion, histogram_of(piece.spec_decode_metrics))
+                    forwards = len(steps)
+                    self.metrics.request_forwards(steps)
                 logprobs = self._logprobs(piece, config.logprobs)
                 if tokens or finish:
                     text, counted = piece.text, (len(prompt), completion, forwards)

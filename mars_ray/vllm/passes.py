@@ -16,13 +16,14 @@ METRICS_LEVEL = "summary"  # vLLM's `per_request_spec_decode_metrics`: the histo
 
 def accepted_per_forward(completion_tokens: int, histogram: Sequence[int]) -> list[int]:
     """The tokens each of the request's forwards emitted (in no particular order): j + 1 for each verify
-    step that accepted j drafts, 1 for each forward without drafts."""
-    verify_steps = [accepted + 1 for accepted, steps in enumerate(histogram) for _ in range(steps)]
-    return verify_steps + [1] * max(completion_tokens - sum(verify_steps), 0)
-
-
-def forward_passes(completion_tokens: int, histogram: Sequence[int]) -> int:
-    return len(accepted_per_forward(completion_tokens, histogram))
+    step that accepted j drafts, 1 for each forward without drafts. A reply cut inside its last step's
+    accepted run emitted fewer than that step accepted: the largest step gives back the excess (the
+    histogram does not say which step was last), so the tokens add up to the reply."""
+    steps = sorted(accepted + 1 for accepted, count in enumerate(histogram) for _ in range(count))
+    excess = sum(steps) - completion_tokens
+    if excess > 0 and steps:
+        steps[-1] = max(steps[-1] - excess, 1)
+    return steps + [1] * max(completion_tokens - sum(steps), 0)
 
 
 def histogram_of(metrics: object | Mapping | None) -> list[int]:
