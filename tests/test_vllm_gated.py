@@ -114,3 +114,43 @@ def test_engine_args_follow_the_folder(folders):
     assert mars_engine_args(base)["speculative_config"] == speculative_config(base)
     prepared = models.prepare("tiny")
     assert mars_engine_args(prepared) == {"model": str(prepared)}
+
+
+def test_the_vllm_serving_engine_serves_a_gated_folder(engines, folders):
+    """`engine: vllm` on a gated folder (the replica's engine, without Serve): verified replies are vLLM AR's
+    on the base; lossy ones are the native gated decoder's (the adapter applied in the replica's vLLM)."""
+    import asyncio
+
+    from mars_ray.serve.config import ModelConfig
+    from mars_ray.serve.protocol import EngineMetrics
+    from mars_ray.serve.types import SamplingParams
+    from mars_ray.serve.vllm_engine import VllmEngine
+
+    ar, _ = engines
+    _, folder = folders
+    batch = prompts(3, seed=7)
+    config = ModelConfig(
+        model=folder, name="gated", engine="vllm", dtype="float32", max_context=MAX_MODEL_LEN
+    )
+
+    async def replies(engine, verify: bool) -> list[tuple[list[int], str]]:
+        finals = []
+        for prompt in batch:
+            tokens, mode = [], None
+            params = SamplingParams(max_tokens=24, tau=0.5, verify=verify)
+            async for chunk in engine.generate(prompt, params):
+                tokens, mode = tokens + chunk.token_ids, chunk.mode
+            finals.append((tokens, mode))
+        return finals
+
+    async def run():
+        engine = VllmEngine.load(config, EngineMetrics())
+        try:
+            return await replies(engine, True), await replies(engine, False)
+        finally:
+            await engine.close()
+
+    verified, lossy = asyncio.run(run())
+    assert verified == [(tokens, "verify") for tokens in generate(ar, batch, greedy(24))]
+    model, tokenizer = models.load(folder, dtype=torch.float32)
+    assert lossy == [(tokens, "mars") for tokens in native_lossy(ar, model, tokenizer, batch, 24, tau=0.5)]
