@@ -31,6 +31,7 @@ import yaml
 from transformers import get_cosine_schedule_with_warmup
 
 from mars_ray import data, models
+from mars_ray.checkpoint_meta import CheckpointMeta
 from mars_ray.core.objective import ScoredLM, collate_mars
 from mars_ray.data import chat_prompt_ids
 from mars_ray.distill import DistillConfig, Distiller, collect_prompts
@@ -93,7 +94,7 @@ def run_recipe(
 ) -> None:
     device = torch.device(args.device)
     model.load_state_dict(base_state)
-    model.config.mars_block_size = config.block_size
+    CheckpointMeta(block_size=config.block_size).apply(model.config)
     model.train()
     scored = ScoredLM(model)
     points = sorted(args.points)
