@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pydantic import ValidationError
-
 from mars_ray import calibrate, cli_args, distill, evaluate, generate, prepare, quickstart
 from mars_ray.bench import decode as bench
 from mars_ray.serve import command as serve
@@ -34,12 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
+    with cli_args.bad_settings_exit(f"mars-ray {args.command}"):
         args.run(args)
-    except ValidationError as error:  # a typed config built from a file (training's YAML), as a ConfigError
-        parser.exit(2, f"mars-ray {args.command}: error: {cli_args.config_error(error)}\n")
-    except (ValueError, OSError) as error:  # a ConfigError shows as `field: why`; or a file not readable
-        parser.exit(2, f"mars-ray {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":

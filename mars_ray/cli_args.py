@@ -3,13 +3,18 @@
 Every field becomes `--field-name` with the field's description as its help; a flag left out keeps the
 model's default. A bad value fails as `ConfigError`, which names the field (as its flag) and says why. A
 config too large for flags (training's) is a YAML file plus `key=value` overrides, every key in the help.
+Whichever command meets a bad setting ends with exit code 2 and `error: <field>: <why>` (`bad_settings_exit`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import re
+import sys
 import types
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
@@ -77,7 +82,39 @@ def given(config: type[BaseModel], args: argparse.Namespace) -> dict:
 
 def config_from_args(config: type[BaseModel], args: argparse.Namespace, **values):
     """The config the parsed flags describe (`values` added), validated."""
-    return validated(config, {**given(config, args), **values}, name=flag)
+    return validated(config, {**given(config, args), **values}, name=_flag_of)
+
+
+def _flag_of(field: str) -> str:
+    """The flag that gave `field`: a list's item (`taus.0`) came from the list's flag (`--taus`)."""
+    return flag(re.sub(r"(\.\d+)+$", "", field))
+
+
+Config = typing.TypeVar("Config", bound=BaseModel)
+
+
+def parse_command(config: type[Config], argv: Sequence[str] | None = None, **parser_options) -> Config:
+    """The config of a standalone command (`python -m ...`): a flag per field of `config`, parsed from `argv`
+    (None: the command line), by a parser made with `parser_options` (prog, description, ...); a bad value
+    ends the command as `mars-ray`'s do (`bad_settings_exit`), before it starts any work."""
+    parser = argparse.ArgumentParser(**parser_options)
+    add_config_arguments(parser, config)
+    args = parser.parse_args(argv)
+    with bad_settings_exit(parser.prog):
+        return config_from_args(config, args)
+
+
+@contextlib.contextmanager
+def bad_settings_exit(prog: str) -> Iterator[None]:
+    """Inside it, a bad setting ends the command with exit code 2 (argparse's, for a bad command line) and
+    `<prog>: error: <field>: <why>` on stderr. A bad setting: a `ConfigError` (or any `ValueError`), a typed
+    config that failed validation (training's YAML), a file not readable."""
+    try:
+        yield
+    except (ValueError, OSError) as error:  # pydantic's ValidationError is a ValueError too
+        shown = config_error(error) if isinstance(error, ValidationError) else error
+        print(f"{prog}: error: {shown}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def validated(config: type[BaseModel], values: dict, name=lambda field: field):
@@ -92,4 +129,6 @@ def config_error(error: ValidationError, name=lambda field: field) -> ConfigErro
     """The first problem of a failed validation as a `ConfigError` on its field, shown as `name(field)`."""
     first = error.errors()[0]
     field = ".".join(str(part) for part in first["loc"])
-    return ConfigError(name(field) if field else error.title, first["msg"])
+    raised = first.get("ctx", {}).get("error")  # a validator's ConfigError: its message, no "Value error, "
+    why = raised.message if isinstance(raised, ConfigError) else first["msg"]
+    return ConfigError(name(field) if field else error.title, why)

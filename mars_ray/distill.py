@@ -100,20 +100,21 @@ class Distiller:
         import torch
 
         torch.set_num_threads(config.cpus_per_worker)
-        self.model, self.tokenizer = models.load(
-            config.model, dtype=torch_dtype(config.dtype), device=config.device
-        )
-        self.decode = DecodeConfig.for_model(
-            self.model, self.tokenizer, tau=1.0, max_new_tokens=config.max_new_tokens
-        )
-        self.batch_size = config.batch_size
-        self.vllm = None
-        if config.engine == "vllm":
+        self.model = self.vllm = None
+        if config.engine == "vllm":  # vLLM holds the weights: load only what the decode config reads
             from mars_ray.vllm.offline import VllmDecoder
 
-            self.vllm = VllmDecoder(
-                models.resolve(config.model), dtype=str(self.model.dtype).removeprefix("torch.")
+            checkpoint, self.tokenizer = models.load_card(config.model)
+            self.vllm = VllmDecoder(models.resolve(config.model), dtype=config.dtype)
+        else:
+            checkpoint, self.tokenizer = models.load(
+                config.model, dtype=torch_dtype(config.dtype), device=config.device
             )
+            self.model = checkpoint
+        self.decode = DecodeConfig.for_model(
+            checkpoint, self.tokenizer, tau=1.0, max_new_tokens=config.max_new_tokens
+        )
+        self.batch_size = config.batch_size
 
     def shard(self, index: int, rows: list[dict]) -> tuple[int, list[dict]]:
         """Shard `index`: its rows with the model's reply appended to each prompt."""

@@ -42,7 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> None:
     asked = cli_args.config_from_args(GenerateConfig, args)
-    model, tokenizer = models.load(asked.model)
+    if asked.engine == "vllm":  # vLLM holds the weights: load only what the decode config reads
+        from mars_ray.vllm.offline import VllmDecoder
+
+        model, tokenizer = models.load_card(asked.model)
+        decoder = VllmDecoder(models.resolve(asked.model))
+    else:
+        model, tokenizer = models.load(asked.model)
     config = DecodeConfig.for_model(
         model,
         tokenizer,
@@ -53,10 +59,6 @@ def run(args: argparse.Namespace) -> None:
         verify=asked.verify,
     )
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": asked.prompt}])
-    if asked.engine == "vllm":
-        from mars_ray.vllm.offline import VllmDecoder
-
-        decoder = VllmDecoder(models.resolve(asked.model), dtype=str(model.dtype).removeprefix("torch."))
     start = time.perf_counter()
     if asked.engine == "vllm":
         result = decoder.decode([prompt], config)[0]

@@ -19,10 +19,18 @@ import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from mars_ray import folders
 from mars_ray.core import gated
@@ -158,3 +166,15 @@ def load(
     if spec:
         gated.load(loaded, source)
     return loaded.to(device).eval(), tokenizer
+
+
+def load_card(model: str) -> tuple[SimpleNamespace, PreTrainedTokenizerBase]:
+    """A checkpoint's `config` and `generation_config` (all that `DecodeConfig.for_model` reads) and its
+    tokenizer, without its weights: for callers whose weights another engine (vLLM) loads."""
+    source = resolve(model)
+    config = AutoConfig.from_pretrained(source)
+    try:
+        generation = GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json: what transformers derives from the model's config
+        generation = GenerationConfig.from_model_config(config)
+    return SimpleNamespace(config=config, generation_config=generation), AutoTokenizer.from_pretrained(source)

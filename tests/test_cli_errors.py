@@ -44,3 +44,12 @@ def test_the_quickstart_names_the_stage_it_needs(capsys):
 def test_prepare_offers_exactly_the_presets(capsys):
     assert set(typing.get_args(models.Preset)) == set(models.PRESETS)
     assert "invalid choice: 'huge'" in error_of(capsys, "prepare", "--model", "huge")
+
+
+def test_a_rule_checked_by_its_owner_reads_as_the_owner_says_it(capsys):
+    """A tau from any flag is checked by `DecodeConfig.check_tau`: its words, on the flag, nothing of pydantic's
+    wrapping ("Value error, tau: ...")."""
+    err = error_of(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--tau", "1.5")
+    assert err == "mars-ray generate: error: --tau: must be in (0, 1], got 1.5"
+    err = error_of(capsys, "eval", "--model", "tiny", "--taus", "0.9", "0")
+    assert err == "mars-ray eval: error: --taus: must be in (0, 1], got 0.0"

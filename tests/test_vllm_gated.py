@@ -106,14 +106,16 @@ def test_lossy_gated_requests_decode_as_the_native_gated_model(engines, folders)
 
 def test_engine_args_follow_the_folder(folders):
     """A gated folder runs on its base with the adapter; a trained MARS folder drafts; a base `prepare` gave
-    a mask token but no trained B is plain vLLM AR (nothing drafts on it: distill and baselines use it)."""
+    a mask token but no trained B is plain vLLM AR (nothing drafts on it: distill and baselines use it).
+    "auto" is the dtype the weights were saved in, as the native engine and `from_pretrained` read it."""
     base, folder = folders
     args = mars_engine_args(folder)
     assert (args["model"], args["tokenizer"], args["enforce_eager"]) == (base, folder, True)
     assert args["hf_overrides"]["mars_gated_adapter"].endswith(gated.WEIGHTS)
     assert mars_engine_args(base)["speculative_config"] == speculative_config(base)
     prepared = models.prepare("tiny")
-    assert mars_engine_args(prepared) == {"model": str(prepared)}
+    assert mars_engine_args(prepared) == {"model": str(prepared), "dtype": "float32"}  # as saved: not vLLM's
+    assert mars_engine_args(folder, "bfloat16")["dtype"] == "bfloat16"  # a named dtype passes through
 
 
 def test_the_vllm_serving_engine_serves_a_gated_folder(engines, folders):

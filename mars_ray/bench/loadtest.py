@@ -11,23 +11,76 @@ adds transformers' static-batch `generate` on the same machine (offline, no serv
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import sys
 import time
-import typing
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
 
 import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from mars_ray import data
+from mars_ray import cli_args, data
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
-from mars_ray.core.dtypes import DTYPE_NAMES, torch_dtype
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.dtypes import DtypeName, torch_dtype
+from mars_ray.evaluate import Source
+from mars_ray.serve.config import Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
+
+
+class LoadtestConfig(BaseModel):
+    """`python -m mars_ray.bench.loadtest`: what is served, how hard it is driven, and the peers beside it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="a MARS checkpoint folder (or a preset, to validate)")
+    url: str | None = Field(None, description="an app already serving --model-name (default: start one here)")
+    model_name: str = Field("bench", description="the served model name, with --url")
+    concurrency: int = Field(8, ge=1, description="streaming clients at once")
+    requests: int = Field(64, ge=1, description="requests per setting")
+    rounds: int = Field(2, ge=1, description="settings alternate this many times")
+    max_tokens: int = Field(128, ge=1, description="reply budget per request")
+    taus: tuple[Tau, ...] = Field((1.0, 0.9), description="lossy MARS at these taus, a row each")
+    block_size: Annotated[int, AfterValidator(DecodeConfig.check_block_size)] = Field(
+        4, description="the MARS window (the training block size)"
+    )
+    verify_taus: tuple[Tau, ...] = Field((), description="verified MARS at these taus, a row each")
+    peer_url: str | None = Field(
+        None, description="an OpenAI server of a peer (e.g. vLLM) on 127.0.0.1, same prompts"
+    )
+    peer_name: str | None = Field(None, description="the model name the peer serves")
+    peer_label: str = Field("peer", description="the peer's row in the table")
+    source: Source = Field("tasks", description="held-out prompts: generated tasks or real dialogs")
+    port: int = Field(8124, ge=1, le=65535, description="the local app's port (without --url)")
+    dtype: DtypeName = Field("auto", description="the replica's weights")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        validate_default=True,
+        description="torch threads of the replica and of --hf-peer (default: the replica's whole CPUs, >= 1)",
+    )
+    stream_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
+    )
+    compile: bool = Field(False, description="the replica's `compile`: torch.compile'd decode steps")
+    hf_peer: bool = Field(False, description="also time transformers' static-batch generate")
+    engine: Engine = Field("native", description=ENGINE_HELP)
+    output: Path | None = Field(None, description="also write the rows to this JSON file")
+
+    @field_validator("torch_threads")
+    @classmethod
+    def _replica_default(cls, threads: int | None, info: ValidationInfo) -> int:
+        """Left out: the replica's own default, so the HF peer and the report use the count it runs."""
+        return threads or max(1, int(info.data.get("num_cpus", 1)))
 
 
 @dataclass
@@ -103,7 +156,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict:
+def hf_static_batches(args: LoadtestConfig, chats: list[list[dict]]) -> dict:
     """transformers `generate`, greedy, left-padded static batches of `--concurrency`: the offline peer."""
     import torch
 
@@ -133,7 +186,9 @@ def hf_static_batches(args: argparse.Namespace, chats: list[list[dict]]) -> dict
     }
 
 
-def measure(url: str, name: str, settings: list[Setting], chats: list[list[dict]], args) -> list[dict]:
+def measure(
+    url: str, name: str, settings: list[Setting], chats: list[list[dict]], args: LoadtestConfig
+) -> list[dict]:
     """Warm every setting up, then let the settings take turns, round by round, each on its share of the
     prompts: a shared machine's load drifts, and this way every setting meets the same drift."""
     for setting in settings:
@@ -158,7 +213,7 @@ def measure(url: str, name: str, settings: list[Setting], chats: list[list[dict]
     return [summarize(label, records, wall) for label, (records, wall) in results.items()]
 
 
-def start_server(args: argparse.Namespace) -> str:
+def start_server(args: LoadtestConfig) -> str:
     """A local Ray of its own and one engine replica of `--model` on 127.0.0.1."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
@@ -174,7 +229,7 @@ def start_server(args: argparse.Namespace) -> str:
         "dtype": args.dtype,
         "torch_threads": args.torch_threads,
         "max_tokens": args.max_tokens,
-        "max_batch_size": max(args.concurrency, 1),
+        "max_batch_size": args.concurrency,
         "max_block_size": max(args.block_size, 16),
         "max_ongoing_requests": max(64, 2 * args.concurrency),
         "stream_interval_s": args.stream_interval_s,
@@ -186,47 +241,9 @@ def start_server(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m mars_ray.bench.loadtest", description=__doc__.split("\n")[0]
+    args = cli_args.parse_command(
+        LoadtestConfig, argv, prog="python -m mars_ray.bench.loadtest", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset, to validate)")
-    parser.add_argument("--url", help="an app already serving --model-name (default: start one here)")
-    parser.add_argument("--model-name", default="bench", help="the served model name, with --url")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=64, help="per setting")
-    parser.add_argument("--rounds", type=int, default=2, help="settings alternate this many times")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--taus", type=float, nargs="+", default=[1.0, 0.9])
-    parser.add_argument("--block-size", type=int, default=4, help="the MARS window (the training block size)")
-    parser.add_argument(
-        "--verify-taus", type=float, nargs="*", default=[], help="verified MARS at these taus"
-    )
-    parser.add_argument(
-        "--peer-url", help="an OpenAI server of a peer (e.g. vLLM) on 127.0.0.1, same prompts"
-    )
-    parser.add_argument("--peer-name", help="the model name the peer serves")
-    parser.add_argument("--peer-label", default="peer", help="the peer's row in the table")
-    parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
-    parser.add_argument("--port", type=int, default=8124)
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="the replica's weights")
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs reserved for the replica")
-    parser.add_argument("--torch-threads", type=int, help="default: the replica's whole CPUs, at least 1")
-    parser.add_argument(
-        "--stream-interval-s",
-        type=float,
-        default=0.0,
-        help="the replica's stream_interval_s: after the first text, this long's text is one chunk",
-    )
-    parser.add_argument(
-        "--compile", action="store_true", help="the replica's `compile`: torch.compile'd decode steps"
-    )
-    parser.add_argument(
-        "--hf-peer", action="store_true", help="also time transformers' static-batch generate"
-    )
-    parser.add_argument("--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP)
-    parser.add_argument("--output", help="also write the rows to this JSON file")
-    args = parser.parse_args(argv)
-    args.torch_threads = args.torch_threads or max(1, int(args.num_cpus))  # the replica's own default
 
     chats = heldout_chats(args.source, args.requests)
     window = args.block_size

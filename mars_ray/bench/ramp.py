@@ -12,22 +12,55 @@ p95 per-token latency against the objective, and tau, over time). It stops by it
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import time
-import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Annotated
 
 import httpx
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt
 
+from mars_ray import cli_args
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
-from mars_ray.core.dtypes import DTYPE_NAMES
+from mars_ray.core.decode_config import DecodeConfig
+from mars_ray.core.dtypes import DtypeName
+from mars_ray.evaluate import Source
+from mars_ray.serve.config import Tau, TauOrNone
 from mars_ray.vllm.config import ENGINE_HELP, Engine
+
+
+class RampConfig(BaseModel):
+    """`python -m mars_ray.bench.ramp`: the replica, the ramp of clients, and the controller's objective."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="a MARS checkpoint folder (or a preset)")
+    levels: tuple[PositiveInt, ...] = Field(
+        (1, 4, 8, 16, 16, 8, 2), min_length=1, description="clients at each stage, in turn"
+    )
+    stage_s: float = Field(15.0, gt=0, description="seconds each stage lasts")
+    tail_s: float = Field(20.0, ge=0, description="idle seconds after the last stage")
+    max_tokens: int = Field(64, ge=1, description="reply budget per request")
+    tau_min: Tau = Field(0.7, description="the controller's floor, and the second fixed tau")
+    tau_step: float = Field(0.05, gt=0, le=1, description="how far the controller moves tau per decision")
+    target: float = Field(0.03, gt=0, description="objective: p95 seconds per token")
+    block_size: Annotated[int, AfterValidator(DecodeConfig.check_block_size)] = Field(
+        4, description="the MARS window (the training block size)"
+    )
+    verify_tau: TauOrNone = Field(
+        None, description="the controller's lossless first step: verified decoding at this tau"
+    )
+    dtype: DtypeName = Field("auto", description="the replica's weights")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")
+    engine: Engine = Field("native", description=ENGINE_HELP)
+    port: int = Field(8125, ge=1, le=65535, description="the local app's port")
+    source: Source = Field("tasks", description="held-out prompts: generated tasks or real dialogs")
+    out: Path = Field(Path("results/ramp"), description="folder for ramp.json and ramp.png")
 
 
 @dataclass
@@ -41,7 +74,7 @@ class Sample:
 
 
 async def ramp(
-    url: str, chats: list[list[dict]], args: argparse.Namespace
+    url: str, chats: list[list[dict]], args: RampConfig
 ) -> tuple[list[RequestRecord], list[Sample]]:
     """Drive the ramp: client i is active while the stage's level exceeds i; sample status meanwhile."""
     records: list[RequestRecord] = []
@@ -97,7 +130,7 @@ def time_weighted_mean(points: list[tuple[float, float]]) -> float:
 
 
 def summarize(
-    mode: str, records: list[RequestRecord], samples: list[Sample], start: float, args: argparse.Namespace
+    mode: str, records: list[RequestRecord], samples: list[Sample], start: float, args: RampConfig
 ) -> dict:
     loaded_until = start + args.stage_s * len(args.levels)
     loaded = [r for r in records if r.finished <= loaded_until + 30]
@@ -197,7 +230,7 @@ def _record_json(record: RequestRecord) -> dict:
     }
 
 
-def serve_mode(mode: str, args: argparse.Namespace) -> str:
+def serve_mode(mode: str, args: RampConfig) -> str:
     """(Re)deploy the app for one mode: fixed tau, or the controller with the objective."""
     from ray import serve
 
@@ -233,26 +266,9 @@ def serve_mode(mode: str, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mars_ray.bench.ramp", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True, help="a MARS checkpoint folder (or a preset)")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16, 16, 8, 2])
-    parser.add_argument("--stage-s", type=float, default=15.0)
-    parser.add_argument("--tail-s", type=float, default=20.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--tau-min", type=float, default=0.7)
-    parser.add_argument("--tau-step", type=float, default=0.05)
-    parser.add_argument("--target", type=float, default=0.03, help="objective: p95 seconds per token")
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument(
-        "--verify-tau", type=float, help="the controller's lossless first step: verified decoding at this tau"
+    args = cli_args.parse_command(
+        RampConfig, argv, prog="python -m mars_ray.bench.ramp", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_NAMES, help="the replica's weights")
-    parser.add_argument("--num-cpus", type=float, default=1.0)
-    parser.add_argument("--engine", choices=typing.get_args(Engine), default="native", help=ENGINE_HELP)
-    parser.add_argument("--port", type=int, default=8125)
-    parser.add_argument("--source", choices=["tasks", "chatterbot"], default="tasks")
-    parser.add_argument("--out", type=Path, default=Path("results/ramp"))
-    args = parser.parse_args(argv)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -279,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(runs, args.target, args.out / "ramp.png", bin_s=max(args.stage_s / 3, 1.0))
     dump = {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args.model_dump(mode="json"),
         "machine": machine.describe(),
         "rows": rows,
         "runs": {
@@ -294,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "ramp.json").write_text(json.dumps(dump, indent=1))
     print(
         f"{time.strftime('%Y-%m-%d')} · {machine.describe()} · {args.model} · "
-        f"levels {args.levels} x {args.stage_s:g}s, tail {args.tail_s:g}s, max_tokens {args.max_tokens}"
+        f"levels {list(args.levels)} x {args.stage_s:g}s, tail {args.tail_s:g}s, max_tokens {args.max_tokens}"
     )
     print(table(rows, args.target))
 

@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
+from mars_ray import cli_args
 from mars_ray.bench import machine
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -42,6 +44,16 @@ def write_parquet(folder: Path, chats: list, files: int) -> None:
         part = chats[f * per_file : (f + 1) * per_file]
         table = pa.table({"messages": pa.array(part, type=MESSAGES)})
         pq.write_table(table, folder / f"part-{f:03d}.parquet")
+
+
+class StreamBenchConfig(BaseModel):
+    """`python -m mars_ray.bench.stream`: how much data, in how many files, and how many steps over it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chats: int = Field(200_000, ge=1, description="generated chats")
+    files: int = Field(8, ge=1, description="Parquet files they are written in")
+    steps: int = Field(4, ge=1, description="training steps streamed")
 
 
 @dataclass
@@ -90,14 +102,14 @@ def run_streamed(data: Path, runs: Path, steps: int = 4, timeout: float = 600) -
     return StreamedRun(process.returncode, output, steps_logged, first, peak[0], reported)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None) -> None:
+    args = cli_args.parse_command(
+        StreamBenchConfig,
+        argv,
+        prog="python -m mars_ray.bench.stream",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--chats", type=int, default=200_000)
-    parser.add_argument("--files", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         began = time.perf_counter()
         write_parquet(Path(folder) / "chats", [chat(i) for i in range(args.chats)], args.files)

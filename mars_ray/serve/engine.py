@@ -267,15 +267,8 @@ class Engine(Operable):
             if request is None or request.finish_reason is not None:
                 continue  # ended by a stop string a forward ago, or cancelled: nobody reads these tokens
             delivered.append(output)
-            tokens = output.tokens
-            if request.last_tokens_at is None:
-                ttft = now - request.arrived
-                self._recorder.first_token(now, ttft)
-                self.metrics.first_token(ttft)
-            elif tokens:
-                itl = (now - request.last_tokens_at) / len(tokens)
-                self._recorder.inter_token(now, itl)
-                self.metrics.inter_token(itl)
+            count = len(output.tokens)
+            self._recorder.tokens(now, request.arrived, request.last_tokens_at, count, self.metrics)
             request.last_tokens_at = now
             text = request.take(output)
             if request.text.stopped:

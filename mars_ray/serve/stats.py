@@ -12,6 +12,10 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mars_ray.serve.protocol import EngineMetrics
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,18 @@ class StatsRecorder:
         self._generated += sum(accepted)
         self._forwards += 1
 
-    def first_token(self, now: float, seconds: float) -> None:
-        self._ttft.append((now, seconds))
-
-    def inter_token(self, now: float, seconds: float) -> None:
-        self._itl.append((now, seconds))
+    def tokens(
+        self, now: float, arrived: float, last: float | None, count: int, metrics: EngineMetrics
+    ) -> None:
+        """A request's `count` new tokens at `now`: its time to first token (since `arrived`) if it had none
+        before (`last` is None), else the time per token since its last ones at `last`. Both engines call
+        this, so the window's latencies and the metrics' histograms are one measurement."""
+        if last is None:
+            self._ttft.append((now, now - arrived))
+            metrics.first_token(now - arrived)
+        elif count:
+            self._itl.append((now, (now - last) / count))
+            metrics.inter_token((now - last) / count)
 
     def ended(self, reason: str) -> None:
         self._finished[reason] += 1

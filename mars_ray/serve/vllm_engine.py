@@ -18,9 +18,8 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from types import SimpleNamespace
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from mars_ray import models
 from mars_ray.core.decode_config import DecodeConfig
@@ -60,13 +59,7 @@ class VllmEngine(Operable):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         path = models.resolve(config.model)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model_config = AutoConfig.from_pretrained(path)
-        try:
-            generation = GenerationConfig.from_pretrained(path)
-        except OSError:  # no generation_config.json: what transformers derives from the model's config
-            generation = GenerationConfig.from_model_config(model_config)
-        checkpoint = SimpleNamespace(config=model_config, generation_config=generation)
+        checkpoint, tokenizer = models.load_card(path)
         rules = RequestRules.of(
             config,
             checkpoint.config,
@@ -75,13 +68,12 @@ class VllmEngine(Operable):
             int(checkpoint.config.vocab_size),
         )
         engine = dict(
-            dtype=config.dtype,
             max_model_len=rules.max_context,
             max_num_seqs=config.max_batch_size,
             enforce_eager=not config.compile,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             seed=0,
-        ) | mars_engine_args(path)
+        ) | mars_engine_args(path, config.dtype)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
         return cls(llm, tokenizer, config, rules, metrics)
 
@@ -118,12 +110,7 @@ class VllmEngine(Operable):
                     forwards += 1
                     completion += len(tokens)
                     self._recorder.forward(now, [len(tokens)])
-                    if last is None:
-                        self._recorder.first_token(now, now - arrived)
-                        self.metrics.first_token(now - arrived)
-                    else:
-                        self._recorder.inter_token(now, (now - last) / len(tokens))
-                        self.metrics.inter_token((now - last) / len(tokens))
+                    self._recorder.tokens(now, arrived, last, len(tokens), self.metrics)
                     last = now
                 if output.finished:
                     finish = piece.finish_reason if piece.finish_reason in ("stop", "length") else "error"

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from mars_ray.core import gated
 from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE
+from mars_ray.core.dtypes import DtypeName
 from mars_ray.core.errors import ConfigError
 from mars_ray.vllm import gated as vllm_gated
 from mars_ray.vllm.passes import METRICS_LEVEL
@@ -46,14 +47,22 @@ def is_mars_checkpoint(model: str | Path) -> bool:
     return AutoTokenizer.from_pretrained(model).mask_token is not None
 
 
-def mars_engine_args(model: str | Path) -> dict:
-    """vLLM engine arguments for `model` (its `model` among them): MARS as its speculative method, with the
-    per-request metrics a request's forward passes are counted from, where it is a MARS checkpoint; for a
-    gated folder, its base as vLLM's model with the adapter attached (`mars_ray.vllm.gated`); a plain model
-    as it is (vLLM refuses speculative metrics without a speculative method)."""
+def mars_engine_args(model: str | Path, dtype: DtypeName = "auto") -> dict:
+    """vLLM engine arguments for `model` (its `model` and `dtype` among them): MARS as its speculative
+    method, with the per-request metrics a request's forward passes are counted from, where it is a MARS
+    checkpoint; for a gated folder, its base as vLLM's model with the adapter attached
+    (`mars_ray.vllm.gated`); a plain model as it is (vLLM refuses speculative metrics without a speculative
+    method)."""
     if not is_mars_checkpoint(model):
-        return {"model": str(model)}
-    mars = {"speculative_config": speculative_config(model), "per_request_spec_decode_metrics": METRICS_LEVEL}
-    if gated.read_spec(model) is not None:
-        return vllm_gated.engine_args(model) | mars
-    return {"model": str(model)} | mars
+        args = {"model": str(model)}
+    else:
+        args = {"speculative_config": speculative_config(model)}
+        args |= {"per_request_spec_decode_metrics": METRICS_LEVEL}
+        args |= vllm_gated.engine_args(model) if gated.read_spec(model) is not None else {"model": str(model)}
+    return args | {"dtype": saved_dtype(args["model"]) if dtype == "auto" else dtype}
+
+
+def saved_dtype(model: str) -> str:
+    """The dtype `model`'s weights were saved in, which "auto" means here as in `from_pretrained`: vLLM's
+    own "auto" would run a float32 checkpoint in bfloat16, unlike the native engine and the HF baseline."""
+    return str(AutoConfig.from_pretrained(model).dtype or "float32").removeprefix("torch.")

@@ -53,8 +53,8 @@ class VllmDecoder:
         from vllm import LLM
 
         engine.setdefault("kv_cache_memory_bytes", KV_CACHE_BYTES)
-        engine |= mars_engine_args(model)
-        self.llm = LLM(**({"dtype": dtype, "max_model_len": max_model_len} | engine))
+        engine |= mars_engine_args(model, dtype)
+        self.llm = LLM(max_model_len=max_model_len, **engine)
 
     def decode(
         self, prompts: Sequence[Sequence[int]], config: DecodeConfig | Sequence[DecodeConfig]

