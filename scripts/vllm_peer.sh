@@ -8,7 +8,8 @@
 # REQUESTS (per setting; default 16, or 4 x concurrency above 4) and ROUNDS (default 2) size the run; DTYPE
 # (float32, the default, or bfloat16: vLLM's CPU default, which pays on a CPU with AMX) is both servers';
 # STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token);
-# COMPILE=1 gives the native replica compiled decode steps (`compile: true`).
+# COMPILE=1 gives the native replica compiled decode steps (`compile: true`). SOURCE (chatterbot, the
+# default, or tasks) picks the held-out prompts; TAUS (default 0.9) and VERIFY_TAUS (default 0.5) the MARS rows.
 # ENGINE=vllm serves mars-ray's replica on vLLM with MARS as its speculative method (the product's path);
 # PEER_SPEC=ngram gives the peer vLLM's own lossless prompt-lookup drafting (ngram, k = 3, lookup 1-4): the
 # draft-model-free method a vLLM user would try first.
@@ -48,7 +49,7 @@ for concurrency in ${levels[*]}; do
   RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.loadtest --model "$model" \
     --concurrency "$concurrency" --requests "${REQUESTS:-$((concurrency > 4 ? 4 * concurrency : 16))}" \
     --rounds "${ROUNDS:-2}" \
-    --max-tokens 64 --source chatterbot --taus 0.9 --verify-taus 0.5 --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
+    --max-tokens 64 --source "${SOURCE:-chatterbot}" --taus ${TAUS:-0.9} --verify-taus ${VERIFY_TAUS:-0.5} --num-cpus 2 --torch-threads 2 --dtype "$dtype" \
     --stream-interval-s "${STREAM_INTERVAL_S:-0.05}" ${COMPILE:+--compile} --engine "${ENGINE:-native}" \
     --peer-url "http://127.0.0.1:$port" --peer-name peer --peer-label "$label" \
     --output "$out/concurrency-$concurrency.json" | tee "$out/concurrency-$concurrency.md"

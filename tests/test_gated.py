@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,25 @@ def test_tau_one_and_verified_decoding_write_the_base_models_greedy_text(family)
     drafted = [r.tokens for r in decode_cached(twin, prompts, MASK_ID, loose)]
     assert drafted != expected
     assert [decode_reference(twin, p, MASK_ID, loose).tokens for p in prompts] == drafted
+
+
+@pytest.mark.slow
+def test_compiled_steps_keep_the_gate():
+    """`compile_steps` on a gated model (the engine's `compile`): the gate's hooks run inside the compiled
+    forward, so every step states its own mask positions; the same tokens as eager, exact and drafted."""
+    from mars_ray.core.compile import compile_steps
+
+    _, eager = gated_twin("llama", torch.float32)
+    _, compiled = gated_twin("llama", torch.float32)
+    compile_steps(compiled)
+    torch._dynamo.utils.counters.clear()
+    prompts = random_prompts(4, seed=5)
+    for tau, verify in ((1.0, False), (0.3, True), (0.3, False)):
+        config = DecodeConfig(tau=tau, block_size=4, max_new_tokens=12, stop_token_ids=(EOS_ID,))
+        config = replace(config, verify=verify)
+        expected = [r.tokens for r in decode_cached(eager, prompts, MASK_ID, config)]
+        assert [r.tokens for r in decode_cached(compiled, prompts, MASK_ID, config)] == expected
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the steps did run compiled
 
 
 def test_a_gated_model_refuses_a_forward_without_input_ids(tiny_llama):
