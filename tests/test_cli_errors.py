@@ -47,8 +47,8 @@ def test_prepare_offers_exactly_the_presets(capsys):
 
 
 def test_a_rule_checked_by_its_owner_reads_as_the_owner_says_it(capsys):
-    """A tau from any flag is checked by `DecodeConfig.check_tau`: its words, on the flag, nothing of pydantic's
-    wrapping ("Value error, tau: ...")."""
+    """A tau from any flag is checked by `DecodeConfig.check_tau`: its words, on the flag, nothing of
+    pydantic's wrapping ("Value error, tau: ...")."""
     err = error_of(capsys, "generate", "--model", "tiny", "--prompt", "hi", "--tau", "1.5")
     assert err == "mars-ray generate: error: --tau: must be in (0, 1], got 1.5"
     err = error_of(capsys, "eval", "--model", "tiny", "--taus", "0.9", "0")

