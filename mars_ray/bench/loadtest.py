@@ -18,10 +18,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
 import httpx
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mars_ray import cli_args, data
 from mars_ray.bench import machine
@@ -30,7 +29,7 @@ from mars_ray.bench.cluster import start_local_ray
 from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.dtypes import DtypeName, torch_dtype
 from mars_ray.evaluate import Source
-from mars_ray.serve.config import Tau
+from mars_ray.serve.config import BlockSize, Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -47,7 +46,7 @@ class LoadtestConfig(BaseModel):
     rounds: int = Field(2, ge=1, description="settings alternate this many times")
     max_tokens: int = Field(128, ge=1, description="reply budget per request")
     taus: tuple[Tau, ...] = Field((1.0, 0.9), description="lossy MARS at these taus, a row each")
-    block_size: Annotated[int, AfterValidator(DecodeConfig.check_block_size)] = Field(
+    block_size: BlockSize = Field(
         4, description="the MARS window (the training block size)"
     )
     verify_taus: tuple[Tau, ...] = Field((), description="verified MARS at these taus, a row each")
@@ -162,7 +161,6 @@ def hf_static_batches(args: LoadtestConfig, chats: list[list[dict]]) -> dict:
 
     from mars_ray import models
     from mars_ray.bench.baseline import hf_greedy_tokens
-    from mars_ray.core.decode_config import DecodeConfig
 
     torch.set_num_threads(args.torch_threads)
     model, tokenizer = models.load(args.model, dtype=torch_dtype(args.dtype))

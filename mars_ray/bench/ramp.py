@@ -18,19 +18,17 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated
 
 import httpx
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from mars_ray import cli_args
 from mars_ray.bench import machine
 from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
 from mars_ray.bench.cluster import start_local_ray
-from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.dtypes import DtypeName
 from mars_ray.evaluate import Source
-from mars_ray.serve.config import Tau, TauOrNone
+from mars_ray.serve.config import BlockSize, Tau, TauOrNone
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -49,7 +47,7 @@ class RampConfig(BaseModel):
     tau_min: Tau = Field(0.7, description="the controller's floor, and the second fixed tau")
     tau_step: float = Field(0.05, gt=0, le=1, description="how far the controller moves tau per decision")
     target: float = Field(0.03, gt=0, description="objective: p95 seconds per token")
-    block_size: Annotated[int, AfterValidator(DecodeConfig.check_block_size)] = Field(
+    block_size: BlockSize = Field(
         4, description="the MARS window (the training block size)"
     )
     verify_tau: TauOrNone = Field(

@@ -40,6 +40,7 @@ def _checked_by(check: Callable[[Any, str], Any]) -> AfterValidator:
 # Every tau and window a config or a request body carries: their ranges are `DecodeConfig`'s.
 Tau = Annotated[float, _checked_by(DecodeConfig.check_tau)]
 TauOrNone = Annotated[float | None, _checked_by(DecodeConfig.check_tau)]
+BlockSize = Annotated[int, _checked_by(DecodeConfig.check_block_size)]
 BlockSizeOrNone = Annotated[int | None, _checked_by(DecodeConfig.check_block_size)]
 
 
