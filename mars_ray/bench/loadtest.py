@@ -46,9 +46,7 @@ class LoadtestConfig(BaseModel):
     rounds: int = Field(2, ge=1, description="settings alternate this many times")
     max_tokens: int = Field(128, ge=1, description="reply budget per request")
     taus: tuple[Tau, ...] = Field((1.0, 0.9), description="lossy MARS at these taus, a row each")
-    block_size: BlockSize = Field(
-        4, description="the MARS window (the training block size)"
-    )
+    block_size: BlockSize = Field(4, description="the MARS window (the training block size)")
     verify_taus: tuple[Tau, ...] = Field((), description="verified MARS at these taus, a row each")
     peer_url: str | None = Field(
         None, description="an OpenAI server of a peer (e.g. vLLM) on 127.0.0.1, same prompts"

@@ -47,9 +47,7 @@ class RampConfig(BaseModel):
     tau_min: Tau = Field(0.7, description="the controller's floor, and the second fixed tau")
     tau_step: float = Field(0.05, gt=0, le=1, description="how far the controller moves tau per decision")
     target: float = Field(0.03, gt=0, description="objective: p95 seconds per token")
-    block_size: BlockSize = Field(
-        4, description="the MARS window (the training block size)"
-    )
+    block_size: BlockSize = Field(4, description="the MARS window (the training block size)")
     verify_tau: TauOrNone = Field(
         None, description="the controller's lossless first step: verified decoding at this tau"
     )
