@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import sys
 import types
@@ -17,7 +18,7 @@ import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError, ValidationInfo
 
 from mars_ray.core.errors import ConfigError
 
@@ -26,10 +27,26 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _json_object(text: str, info: ValidationInfo) -> str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(info.field_name, f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(info.field_name, f"must be a JSON object, got {text}")
+    return text
+
+
+# A flag whose value is a JSON object (`--fields '{"tau": 0.5}'`), kept as its text, checked as it parses.
+JsonObject = typing.Annotated[str, AfterValidator(_json_object)]
+
+
 def _scalar(annotation) -> tuple[type | None, tuple | None]:
     """The argparse type and choices of an annotation (Optional and Literal unwrapped)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
     if typing.get_origin(annotation) is typing.Literal:
         choices = typing.get_args(annotation)
         return type(choices[0]), choices

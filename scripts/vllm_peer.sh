@@ -12,7 +12,8 @@
 # default, or tasks) picks the held-out prompts; TAUS (default 0.9) and VERIFY_TAUS (default 0.5) the MARS rows.
 # ENGINE=vllm serves mars-ray's replica on vLLM with MARS as its speculative method (the product's path);
 # PEER_SPEC=ngram gives the peer vLLM's own lossless prompt-lookup drafting (ngram, k = 3, lookup 1-4): the
-# draft-model-free method a vLLM user would try first.
+# draft-model-free method a vLLM user would try first. PEER=serve-llm makes the peer Ray Serve LLM's own app
+# (`build_openai_app`, vLLM inside Ray Serve: `mars_ray.bench.serve_llm_peer`) instead of vLLM's server.
 #
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
 # of them is loaded at a time. vLLM is the venv's own (`bash scripts/setup.sh` installs vllm-cpu beside torch).
@@ -26,24 +27,31 @@ port=8200
 dtype=${DTYPE:-float32}
 mkdir -p "$out"
 spec=()
-label="vLLM-CPU 0.32.0 (AR, $dtype)"
+method=AR
 if [ "${PEER_SPEC:-}" = ngram ]; then
   spec=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}')
-  label="vLLM-CPU 0.32.0 (ngram k 3, $dtype)"
+  method="ngram k 3"
 fi
 
-# `vllm serve` fails on the package name (vllm-cpu): start the OpenAI server module directly.
-VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
-  .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
-  --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" > "$out/vllm.log" 2>&1 &
+peer_env=(VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1)
+if [ "${PEER:-vllm}" = serve-llm ]; then
+  label="Ray Serve LLM 2.60 + vLLM-CPU 0.32.0 ($method, $dtype)"
+  env "${peer_env[@]}" RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.serve_llm_peer --model "$model" --name peer \
+    --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" > "$out/vllm.log" 2>&1 &
+else
+  label="vLLM-CPU 0.32.0 ($method, $dtype)"
+  # `vllm serve` fails on the package name (vllm-cpu): start the OpenAI server module directly.
+  env "${peer_env[@]}" .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
+    --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" > "$out/vllm.log" 2>&1 &
+fi
 peer=$!
 trap 'kill $peer 2>/dev/null || true; wait $peer 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do  # 2 to 4 minutes of compile and warm-up
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break
   kill -0 $peer 2>/dev/null || { tail -20 "$out/vllm.log"; exit 1; }
   sleep 3
 done
-curl -sf "http://127.0.0.1:$port/health" >/dev/null
+curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null
 
 for concurrency in ${levels[*]}; do
   RAY_AUTH_MODE=disabled .venv/bin/python -m mars_ray.bench.loadtest --model "$model" \

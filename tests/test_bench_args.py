@@ -1,6 +1,7 @@
-"""The load drivers' flags (`python -m mars_ray.bench.loadtest|ramp|stream`) are typed configs like every
-other command's: the command lines the scripts and docs use parse to the values they mean, every default as
-it was, and a bad value ends the driver with exit code 2 naming its flag, before any Ray or server starts.
+"""The load drivers' flags (`python -m mars_ray.bench.loadtest|ramp|stream|serve_llm_peer|cpu_share`) are
+typed configs like every other command's: the command lines the scripts and docs use parse to the values they
+mean, every default as it was, and a bad value ends the driver with exit code 2 naming its flag, before any
+Ray or server starts.
 No Ray, no server: only the parsing."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from mars_ray import cli_args
-from mars_ray.bench import loadtest, ramp, stream
+from mars_ray.bench import cpu_share, loadtest, ramp, serve_llm_peer, stream
 
 # scripts/vllm_peer.sh's loadtest line, its variables at their values (concurrency 4, DTYPE=bfloat16,
 # COMPILE=1), as bash hands it over
@@ -43,7 +44,7 @@ LOADTEST_DEFAULTS = {
     "num_cpus": 1.0,
     "torch_threads": 1,  # left out: the replica's whole CPUs
     "stream_interval_s": 0.0,
-    "compile": False,
+    "compile": None,  # the engine's own: compiled on vLLM, eager on native
     "hf_peer": False,
     "engine": "native",
     "output": None,
@@ -118,6 +119,35 @@ def test_ramp_and_stream_parse_the_lines_the_docs_use():
     }
 
 
+def test_the_peer_and_cpu_share_parse_the_lines_the_scripts_use():
+    # scripts/vllm_peer.sh with PEER=serve-llm PEER_SPEC=ngram DTYPE=bfloat16
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}'
+    line = "--model /m --name peer --port 8200 --dtype bfloat16 --max-model-len 2048 --speculative-config"
+    assert parsed(serve_llm_peer.ServeLlmPeerConfig, f"{line} '{ngram}'") == {
+        "model": "/m",
+        "name": "peer",
+        "port": 8200,
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "speculative_config": ngram,
+        "num_cpus": 4,
+    }
+    assert parsed(serve_llm_peer.ServeLlmPeerConfig, "--model /m")["speculative_config"] is None
+    # BENCHMARKS.md's CPU share of the mars-ray replica at verified tau 0.5
+    share = "--url http://127.0.0.1:8200 --model bench --label r --concurrency 4 --fields '{\"tau\": 0.5}'"
+    assert parsed(cpu_share.CpuShareConfig, share) == {
+        "url": "http://127.0.0.1:8200",
+        "model": "bench",
+        "label": "r",
+        "requests": 16,
+        "concurrency": 4,
+        "max_tokens": 64,
+        "source": "tasks",
+        "fields": '{"tau": 0.5}',
+        "output": None,
+    }
+
+
 def refusal(capsys, monkeypatch, main, line: str) -> str:
     """What `main` says on stderr as it exits with code 2 (argparse's, and every bad setting's).
 
@@ -142,6 +172,11 @@ BAD = [
     (ramp.main, "--model PATH --levels 4 0", "--levels"),
     (stream.main, "--chats 0", "--chats"),
     (stream.main, "--chats 10 --files 0", "--files"),  # let through, it fails at once (no chat per file)
+    (serve_llm_peer.main, "--model M --port 80", "--port"),
+    (serve_llm_peer.main, "--model M --speculative-config '[1]'", "--speculative-config"),
+    (cpu_share.main, "--url U --model M --concurrency 0", "--concurrency"),
+    (cpu_share.main, "--url U --model M --fields '{tau: 1}'", "--fields"),
+    (cpu_share.main, "--url U --model M --fields 0.5", "--fields"),
 ]
 
 
@@ -151,9 +186,10 @@ def test_a_bad_value_exits_2_naming_its_flag(capsys, monkeypatch, main, line, fl
     assert refusal(capsys, monkeypatch, main, line).startswith(f"{prog}: error: {flag}: ")
 
 
-@pytest.mark.parametrize("main", [loadtest.main, ramp.main, stream.main])
+@pytest.mark.parametrize("main", [loadtest.main, ramp.main, stream.main, serve_llm_peer.main, cpu_share.main])
 def test_an_unknown_flag_is_refused(capsys, monkeypatch, main):
-    line = "--model PATH --no-such-flag 1" if main is not stream.main else "--no-such-flag 1"
+    line = {stream.main: "", cpu_share.main: "--url U --model M"}.get(main, "--model PATH")
+    line += " --no-such-flag 1"
     assert "unrecognized arguments: --no-such-flag" in refusal(capsys, monkeypatch, main, line)
 
 
@@ -163,6 +199,8 @@ def test_an_unknown_flag_is_refused(capsys, monkeypatch, main):
         (loadtest.main, loadtest.LoadtestConfig),
         (ramp.main, ramp.RampConfig),
         (stream.main, stream.StreamBenchConfig),
+        (serve_llm_peer.main, serve_llm_peer.ServeLlmPeerConfig),
+        (cpu_share.main, cpu_share.CpuShareConfig),
     ],
 )
 def test_help_lists_every_flag_with_its_description(capsys, main, config):

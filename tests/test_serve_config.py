@@ -103,3 +103,12 @@ def test_serve_flags_build_the_app_config_and_turn_the_controller_on():
     with pytest.raises(ConfigError) as error:
         app_config(serve_args("--model", "tiny", "--max-batch-size", "8", "--max-ongoing-requests", "4")[1])
     assert error.value.field == "ModelConfig"  # a rule across fields names the config it belongs to
+
+
+def test_compiled_steps_are_the_engines_own_default_unless_asked():
+    """vLLM compiles unless told not to (as `vllm serve`); the native engine's minutes of compile are asked
+    for. Every reader asks `compiled`, so the rule lives in one place."""
+    assert ModelConfig(model="tiny", engine="vllm").compiled
+    assert not ModelConfig(model="tiny").compiled
+    assert not ModelConfig(model="tiny", engine="vllm", compile=False).compiled
+    assert ModelConfig(model="tiny", compile=True).compiled

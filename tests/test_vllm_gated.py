@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mars_ray import models
 from mars_ray.core import gated
+from mars_ray.serve.config import ModelConfig
+from mars_ray.serve.vllm_engine import replica_engine_args
 from mars_ray.vllm import speculative_config
 from mars_ray.vllm.config import mars_engine_args
 from mars_ray.vllm.gated import engine_args
@@ -116,6 +118,20 @@ def test_engine_args_follow_the_folder(folders):
     prepared = models.prepare("tiny")
     assert mars_engine_args(prepared) == {"model": str(prepared), "dtype": "float32"}  # as saved: not vLLM's
     assert mars_engine_args(folder, "bfloat16")["dtype"] == "bfloat16"  # a named dtype passes through
+
+
+def test_a_vllm_replica_compiles_unless_told_not_to_and_a_gated_folder_runs_eagerly(folders):
+    """vLLM's compiled graphs are the replica's default, as `vllm serve`'s (eager mode cost most of a
+    replica's gap to a standalone server); `compile: false` is enforce_eager; the gate needs eager steps."""
+    base, folder = folders
+
+    def eager(model: str, **fields) -> bool:
+        config = ModelConfig(model=model, engine="vllm", **fields)
+        return replica_engine_args(config, model, MAX_MODEL_LEN)["enforce_eager"]
+
+    assert not eager(base)
+    assert eager(base, compile=False)
+    assert eager(folder)
 
 
 def test_the_vllm_serving_engine_serves_a_gated_folder(engines, folders):

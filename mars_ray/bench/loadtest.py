@@ -29,7 +29,7 @@ from mars_ray.bench.cluster import start_local_ray
 from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.dtypes import DtypeName, torch_dtype
 from mars_ray.evaluate import Source
-from mars_ray.serve.config import BlockSize, Tau
+from mars_ray.serve.config import BlockSize, ModelConfig, Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
 
@@ -68,7 +68,9 @@ class LoadtestConfig(BaseModel):
         ge=0,
         description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
     )
-    compile: bool = Field(False, description="the replica's `compile`: torch.compile'd decode steps")
+    compile: bool | None = Field(
+        None, description="the replica's `compile`: compiled decode steps (default: the engine's own)"
+    )
     hf_peer: bool = Field(False, description="also time transformers' static-batch generate")
     engine: Engine = Field("native", description=ENGINE_HELP)
     output: Path | None = Field(None, description="also write the rows to this JSON file")
@@ -209,6 +211,24 @@ def measure(
     return [summarize(label, records, wall) for label, (records, wall) in results.items()]
 
 
+def replica(args: LoadtestConfig) -> ModelConfig:
+    """The one engine replica the driver serves `--model` with, sized for `--concurrency`."""
+    return ModelConfig(
+        model=args.model,
+        name="bench",
+        num_cpus=args.num_cpus,
+        dtype=args.dtype,
+        torch_threads=args.torch_threads,
+        max_tokens=args.max_tokens,
+        max_batch_size=args.concurrency,
+        max_block_size=max(args.block_size, 16),
+        max_ongoing_requests=max(64, 2 * args.concurrency),
+        stream_interval_s=args.stream_interval_s,
+        compile=args.compile,
+        engine=args.engine,
+    )
+
+
 def start_server(args: LoadtestConfig) -> str:
     """A local Ray of its own and one engine replica of `--model` on 127.0.0.1."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -218,21 +238,7 @@ def start_server(args: LoadtestConfig) -> str:
 
     start_local_ray(args.num_cpus)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-    model = {
-        "model": args.model,
-        "name": "bench",
-        "num_cpus": args.num_cpus,
-        "dtype": args.dtype,
-        "torch_threads": args.torch_threads,
-        "max_tokens": args.max_tokens,
-        "max_batch_size": args.concurrency,
-        "max_block_size": max(args.block_size, 16),
-        "max_ongoing_requests": max(64, 2 * args.concurrency),
-        "stream_interval_s": args.stream_interval_s,
-        "compile": args.compile,
-        "engine": args.engine,
-    }
-    serve.run(build_app({"models": [model]}), name="mars-bench", route_prefix="/")
+    serve.run(build_app({"models": [replica(args)]}), name="mars-bench", route_prefix="/")
     return f"http://127.0.0.1:{args.port}"
 
 
@@ -274,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.source} held-out, {len(chats)} requests per setting in {args.rounds} rounds, "
         f"concurrency {args.concurrency}, "
         f"max_tokens {args.max_tokens}, greedy, torch threads {args.torch_threads}, "
-        f"stream interval {args.stream_interval_s} s, {'compiled' if args.compile else 'eager'} steps, "
+        f"stream interval {args.stream_interval_s} s, "
+        f"{'compiled' if replica(args).compiled else 'eager'} steps, "
         f"{args.engine} engine"
     )
     print(table(rows))

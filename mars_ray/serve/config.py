@@ -75,6 +75,13 @@ class TauObjective(BaseModel):
         return self
 
 
+def compiled_by_default(engine: Engine) -> bool:
+    """vLLM compiles its graphs unless told not to, as `vllm serve` does (its eager mode was most of a vLLM
+    replica's gap to a standalone vLLM server: BENCHMARKS.md); the native engine's torch.compile costs
+    minutes at start, so it is asked for."""
+    return engine == "vllm"
+
+
 class ModelConfig(BaseModel):
     """One served model: its weights, its name in the API, how its replicas decode and how many there are."""
 
@@ -111,11 +118,12 @@ class ModelConfig(BaseModel):
         " None: a joining prompt is cached whole",
     )
     max_context: int | None = Field(None, ge=2, description="default: the model's max_position_embeddings")
-    compile: bool = Field(
-        False,
-        description="torch.compile the decode steps (faster steps in bf16, see BENCHMARKS.md); the replica"
-        " compiles every kind of step while it warms up: minutes on a CPU, less"
-        " once torch's compile cache holds them",
+    compile: bool | None = Field(
+        None,
+        description="compiled decode steps. native: torch.compile (faster steps in bf16, see BENCHMARKS.md),"
+        " every kind of step compiled while the replica warms up: minutes on a CPU, less once torch's"
+        " compile cache holds them. vllm: vLLM's compiled graphs (false: enforce_eager). Default: the"
+        " engine's own, eager on native, compiled on vllm",
     )
     prepack_weights: bool = Field(
         True,
@@ -132,7 +140,8 @@ class ModelConfig(BaseModel):
         ge=0,
         le=1,
         description="after a request's first text, the text of this interval crosses to the ingress as one"
-        " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward",
+        " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward."
+        " Native engine only: a vLLM replica sends each output vLLM gives it",
     )
     num_replicas: int = Field(1, ge=1, description="replicas to start with")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (fractions allowed)")
@@ -164,6 +173,11 @@ class ModelConfig(BaseModel):
         gt=0,
         description="Serve averages the replicas' reports over this; above Serve's 10 s metrics interval",
     )
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the replica's steps are compiled: `compile`, else the engine's own default."""
+        return compiled_by_default(self.engine) if self.compile is None else self.compile
 
     @property
     def threads(self) -> int:

@@ -87,7 +87,7 @@ class Engine(Operable):
         self.rules = RequestRules.of(config, model.config, self.decode, vocab_size)
         self._own_executor = executor is None
         self._executor = executor or _decode_thread()
-        if config.compile:
+        if config.compiled:
             compile_steps(model)
         elif config.prepack_weights and can_prepack(model):  # inductor cannot lower packed weights
             self._executor.submit(prepack_linears, model).result()  # where the forwards will run
@@ -159,9 +159,9 @@ class Engine(Operable):
         window of one and more), so each compiles now and never in the middle of a request."""
         prompt = self.tokenizer("Hello, how are you?")["input_ids"] or [self.tokenizer.eos_token_id]
         kinds = [SamplingParams(max_tokens=8, tau=0.5, block_size=2, ignore_eos=True)]
-        if self.config.compile:
+        if self.config.compiled:
             kinds.append(SamplingParams(max_tokens=8, block_size=1, ignore_eos=True))
-        for rows in (1, 2) if self.config.compile else (1,):
+        for rows in (1, 2) if self.config.compiled else (1,):
             for params in kinds:
                 await asyncio.gather(*(self._drain(prompt, params) for _ in range(rows)))
 

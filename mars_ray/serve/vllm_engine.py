@@ -35,6 +35,18 @@ from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
 from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 
 
+def replica_engine_args(config: ModelConfig, path: str, max_context: int) -> dict:
+    """vLLM's engine arguments for one replica: its batch, context and cache, compiled graphs unless
+    `compile` is false, and what the checkpoint asks (`mars_engine_args`: a gated folder runs eagerly)."""
+    return dict(
+        max_model_len=max_context,
+        max_num_seqs=config.max_batch_size,
+        enforce_eager=not config.compiled,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        seed=0,
+    ) | mars_engine_args(path, config.dtype)
+
+
 class VllmEngine(Operable):
     """vLLM's `AsyncLLM` for one model; `generate` streams `Chunk`s per request."""
 
@@ -71,13 +83,7 @@ class VllmEngine(Operable):
             DecodeConfig.for_model(checkpoint, tokenizer, config.block_size, allow_wider=True),
             int(checkpoint.config.vocab_size),
         )
-        engine = dict(
-            max_model_len=rules.max_context,
-            max_num_seqs=config.max_batch_size,
-            enforce_eager=not config.compile,
-            kv_cache_memory_bytes=KV_CACHE_BYTES,
-            seed=0,
-        ) | mars_engine_args(path, config.dtype)
+        engine = replica_engine_args(config, path, rules.max_context)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
         return cls(llm, tokenizer, config, rules, metrics)
 
