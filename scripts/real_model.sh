@@ -8,7 +8,9 @@
 #                                           # instruct model kept exactly; the task prompts distilled too
 #
 # Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final (gated: runs/smollm2-cpu-gated/, a
-# gated folder naming its base) and the reports beside it in .../reports/. Run `bash scripts/setup.sh` first.
+# gated folder naming its base) and the reports beside it in .../reports/ (with vLLM installed, the served
+# checkpoint on vLLM + MARS against a standalone vLLM server too: reports/serving-*/).
+# Run `bash scripts/setup.sh` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 home=$(realpath -m "${MARS_RAY_HOME:-$HOME/.cache/mars-ray}")
@@ -93,6 +95,16 @@ done
 phase "learning curve"
 [ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
   --sources chatterbot tasks --dialogs-limit 48 --tasks-limit 48 --output "$reports/curve.json"
+
+# The product's serving path: a vLLM + MARS replica beside `vllm serve` of the same folder, bf16 (a gated
+# folder is not a model `vllm serve` loads: its peer would be the base, run by hand).
+if [ "$engine" = vllm ] && [ "$gated" != 1 ]; then
+  for source in chatterbot tasks; do
+    phase "bench serving on vLLM, held-out $source"
+    [ -f "$reports/serving-$source/concurrency-16.json" ] || SOURCE=$source DTYPE=bfloat16 ENGINE=vllm \
+      VERIFY_TAUS="0.9 0.5" bash scripts/vllm_peer.sh "$final" "$reports/serving-$source" 1 4 16
+  done
+fi
 
 phase "done"
 echo "[real_model] checkpoint: $final; reports: $reports"
