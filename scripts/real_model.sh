@@ -9,7 +9,7 @@
 #
 # Leaves the checkpoint at $MARS_RAY_HOME/runs/smollm2-cpu/mars/final (gated: runs/smollm2-cpu-gated/, a
 # gated folder naming its base) and the reports beside it in .../reports/ (with vLLM installed, the served
-# checkpoint on vLLM + MARS against a standalone vLLM server too: reports/serving-*/).
+# checkpoint on vLLM + MARS against a standalone vLLM server too: reports/serving-*/, reports/ramp-vllm/).
 # Run `bash scripts/setup.sh` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -96,14 +96,22 @@ phase "learning curve"
 [ -f "$reports/curve.json" ] || $bin/python scripts/learning_curve.py --run "$run" --baseline smollm2-135m \
   --sources chatterbot tasks --dialogs-limit 48 --tasks-limit 48 --output "$reports/curve.json"
 
-# The product's serving path: a vLLM + MARS replica beside `vllm serve` of the same folder, bf16 (a gated
-# folder is not a model `vllm serve` loads: its peer would be the base, run by hand).
+# The product's serving path, bf16 (issue 28's figures): a vLLM + MARS replica beside `vllm serve` of the same
+# folder on the held-out mix (the floors), dialogs and tasks; the native engine beside vLLM's own ngram
+# drafting; the load ramp with the controller on a vLLM replica. A gated folder is not a model `vllm serve`
+# loads: its peer would be the base, run by hand.
 if [ "$engine" = vllm ] && [ "$gated" != 1 ]; then
-  for source in chatterbot tasks; do
+  for source in mix chatterbot tasks; do
     phase "bench serving on vLLM, held-out $source"
     [ -f "$reports/serving-$source/concurrency-16.json" ] || SOURCE=$source DTYPE=bfloat16 ENGINE=vllm \
       VERIFY_TAUS="0.9 0.5" bash scripts/vllm_peer.sh "$final" "$reports/serving-$source" 1 4 16
   done
+  phase "bench serving: the native engine beside vLLM ngram, held-out mix"
+  [ -f "$reports/serving-mix-native/concurrency-16.json" ] || SOURCE=mix DTYPE=bfloat16 ENGINE=native \
+    PEER_SPEC=ngram VERIFY_TAUS="0.9 0.5" bash scripts/vllm_peer.sh "$final" "$reports/serving-mix-native" 1 4 16
+  phase "the load ramp with the controller on a vLLM replica, held-out mix"
+  [ -f "$reports/ramp-vllm/ramp.json" ] || $bin/python -m mars_ray.bench.ramp --model "$final" --engine vllm \
+    --dtype bfloat16 --num-cpus 2 --source mix --target 0.08 --verify-tau 0.5 --out "$reports/ramp-vllm"
 fi
 
 phase "done"

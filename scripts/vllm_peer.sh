@@ -9,11 +9,13 @@
 # (float32, the default, or bfloat16: vLLM's CPU default, which pays on a CPU with AMX) is both servers';
 # STREAM_INTERVAL_S (default 0.05) is the mars-ray replica's stream_interval_s (vLLM streams every token);
 # COMPILE=1 gives the native replica compiled decode steps (`compile: true`). SOURCE (chatterbot, the
-# default, or tasks) picks the held-out prompts; TAUS (default 0.9) and VERIFY_TAUS (default 0.5) the MARS rows.
+# default, tasks, or mix: a task and a dialog in turn) picks the held-out prompts; TAUS (default 0.9) and
+# VERIFY_TAUS (default 0.5) the MARS rows.
 # ENGINE=vllm serves mars-ray's replica on vLLM with MARS as its speculative method (the product's path);
 # PEER_SPEC=ngram gives the peer vLLM's own lossless prompt-lookup drafting (ngram, k = 3, lookup 1-4): the
 # draft-model-free method a vLLM user would try first. PEER=serve-llm makes the peer Ray Serve LLM's own app
 # (`build_openai_app`, vLLM inside Ray Serve: `mars_ray.bench.serve_llm_peer`) instead of vLLM's server.
+# PEER_ARGS adds the peer's own flags (e.g. PEER_ARGS=--no-async-scheduling; vLLM's server only).
 #
 # Both servers get both cores (VLLM_CPU_OMP_THREADS_BIND=0-1; the mars-ray replica 2 torch threads): only one
 # of them is loaded at a time. vLLM is the venv's own (`bash scripts/setup.sh` installs vllm-cpu beside torch).
@@ -41,8 +43,11 @@ if [ "${PEER:-vllm}" = serve-llm ]; then
 else
   label="vLLM-CPU 0.32.0 ($method, $dtype)"
   # `vllm serve` fails on the package name (vllm-cpu): start the OpenAI server module directly.
+  read -ra peer_args <<< "${PEER_ARGS:-}"
+  [ -n "${PEER_ARGS:-}" ] && label="$label ${PEER_ARGS}"
   env "${peer_env[@]}" .venv/bin/python -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name peer \
-    --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" > "$out/vllm.log" 2>&1 &
+    --host 127.0.0.1 --port $port --dtype "$dtype" --max-model-len 2048 "${spec[@]}" "${peer_args[@]}" \
+    > "$out/vllm.log" 2>&1 &
 fi
 peer=$!
 trap 'kill $peer 2>/dev/null || true; wait $peer 2>/dev/null || true' EXIT

@@ -13,6 +13,7 @@ import pytest
 
 from mars_ray import cli_args
 from mars_ray.bench import cpu_share, loadtest, ramp, serve_llm_peer, stream
+from mars_ray.bench.client import heldout_chats
 
 # scripts/vllm_peer.sh's loadtest line, its variables at their values (concurrency 4, DTYPE=bfloat16,
 # COMPILE=1), as bash hands it over
@@ -210,3 +211,18 @@ def test_help_lists_every_flag_with_its_description(capsys, main, config):
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help: compare words
     for name, field in config.model_fields.items():
         assert cli_args.flag(name) in shown and " ".join(field.description.split()) in shown, name
+
+
+def test_the_mix_is_a_held_out_task_then_a_held_out_dialog_in_turn(capsys, monkeypatch):
+    for main, line in [
+        (loadtest.main, "--model M"),
+        (ramp.main, "--model M"),
+        (cpu_share.main, "--url U --model M"),
+    ]:
+        refused = refusal(capsys, monkeypatch, main, line + " --source dialogs")
+        assert "argument --source: invalid choice: 'dialogs'" in refused
+    mix = ramp.RampConfig(model="CKPT", source="mix").source
+    chats = heldout_chats(mix, 7)
+    assert len(chats) == 7
+    assert chats[0::2] == heldout_chats("tasks", 7)[:4]
+    assert chats[1::2] == heldout_chats("chatterbot", 7)[:3]

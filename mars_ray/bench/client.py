@@ -11,6 +11,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import httpx
 
@@ -72,8 +73,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
-def heldout_chats(source: str, count: int) -> list[list[dict]]:
-    """Prompts the model was not trained on: held-out chats without their last (assistant) turn."""
+ServedSource = Literal["tasks", "chatterbot", "mix"]
+SERVED_SOURCE_HELP = "held-out prompts: generated tasks, real dialogs, or the two taking turns (mix)"
+
+
+def heldout_chats(source: ServedSource, count: int) -> list[list[dict]]:
+    """Prompts the model was not trained on: held-out chats without their last (assistant) turn. `mix` is
+    a task, then a dialog, in turn (a server's real traffic is neither alone): `count` of them, or as many
+    as both sources hold pairs of."""
+    if source == "mix":
+        pairs = zip(heldout_chats("tasks", count), heldout_chats("chatterbot", count), strict=False)
+        return [chat for pair in pairs for chat in pair][:count]
     rows = (
         data.verifiable_tasks("heldout", count=count)
         if source == "tasks"

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mars_ray import cli_args
 from mars_ray.bench import machine
-from mars_ray.bench.client import heldout_chats
+from mars_ray.bench.client import SERVED_SOURCE_HELP, ServedSource, heldout_chats
 from mars_ray.bench.loadtest import run_clients
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -39,7 +39,7 @@ class CpuShareConfig(BaseModel):
     requests: int = Field(16, ge=1, description="chats sent")
     concurrency: int = Field(1, ge=1, description="chats in flight at once")
     max_tokens: int = Field(64, ge=1, description="new tokens per chat")
-    source: str = Field("tasks", description="held-out prompts: tasks or chatterbot")
+    source: ServedSource = Field("tasks", description=SERVED_SOURCE_HELP)
     fields: cli_args.JsonObject = Field(
         "{}", description="extra request fields, a JSON object (e.g. mars-ray's tau)"
     )

@@ -24,11 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from mars_ray import cli_args, data
 from mars_ray.bench import machine
-from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
+from mars_ray.bench.client import (
+    SERVED_SOURCE_HELP,
+    RequestRecord,
+    ServedSource,
+    heldout_chats,
+    percentile,
+    stream_chat,
+)
 from mars_ray.bench.cluster import start_local_ray
 from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.dtypes import DtypeName, torch_dtype
-from mars_ray.evaluate import Source
 from mars_ray.serve.config import BlockSize, ModelConfig, Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
@@ -53,7 +59,7 @@ class LoadtestConfig(BaseModel):
     )
     peer_name: str | None = Field(None, description="the model name the peer serves")
     peer_label: str = Field("peer", description="the peer's row in the table")
-    source: Source = Field("tasks", description="held-out prompts: generated tasks or real dialogs")
+    source: ServedSource = Field("tasks", description=SERVED_SOURCE_HELP)
     port: int = Field(8124, ge=1, le=65535, description="the local app's port (without --url)")
     dtype: DtypeName = Field("auto", description="the replica's weights")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")

@@ -24,10 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from mars_ray import cli_args
 from mars_ray.bench import machine
-from mars_ray.bench.client import RequestRecord, heldout_chats, percentile, stream_chat
+from mars_ray.bench.client import (
+    SERVED_SOURCE_HELP,
+    RequestRecord,
+    ServedSource,
+    heldout_chats,
+    percentile,
+    stream_chat,
+)
 from mars_ray.bench.cluster import start_local_ray
 from mars_ray.core.dtypes import DtypeName
-from mars_ray.evaluate import Source
 from mars_ray.serve.config import BlockSize, Tau, TauOrNone
 from mars_ray.vllm.config import ENGINE_HELP, Engine
 
@@ -55,7 +61,7 @@ class RampConfig(BaseModel):
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")
     engine: Engine = Field("native", description=ENGINE_HELP)
     port: int = Field(8125, ge=1, le=65535, description="the local app's port")
-    source: Source = Field("tasks", description="held-out prompts: generated tasks or real dialogs")
+    source: ServedSource = Field("tasks", description=SERVED_SOURCE_HELP)
     out: Path = Field(Path("results/ramp"), description="folder for ramp.json and ramp.png")
 
 
