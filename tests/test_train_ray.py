@@ -311,7 +311,8 @@ def test_lora_run_resumes_from_adapter_checkpoints_and_exports_merged_and_unmerg
     for prompt in prompts:
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            torch.testing.assert_close(unmerged(ids).logits, merged(ids).logits)
+            # final/ merged W + BA in the run's fp32; the unmerged model adds BA in fp64
+            torch.testing.assert_close(unmerged(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
             greedy = merged.generate(
                 ids,
                 do_sample=False,
