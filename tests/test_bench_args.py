@@ -13,7 +13,7 @@ import pytest
 
 from mars_ray import cli_args
 from mars_ray.bench import cpu_share, loadtest, ramp, serve_llm_peer, stream
-from mars_ray.bench.client import heldout_chats
+from mars_ray.bench.client import RequestRecord, heldout_chats
 
 # scripts/vllm_peer.sh's loadtest line, its variables at their values (concurrency 4, DTYPE=bfloat16,
 # COMPILE=1), as bash hands it over
@@ -118,6 +118,20 @@ def test_ramp_and_stream_parse_the_lines_the_docs_use():
         "files": 2,
         "steps": 3,
     }
+
+
+def test_the_ramp_peak_is_its_first_run_of_top_stages_and_counts_the_tokens_streamed_inside_it():
+    def window(*levels: int) -> tuple[float, float]:
+        return ramp.peak_window(ramp.RampConfig(model="M", levels=levels, stage_s=10))
+
+    assert window(1, 4, 16, 16, 8) == (20, 40)
+    assert window(1, 16, 4, 16) == (10, 20)
+    assert window(16) == (0, 10)
+    streamed = RequestRecord(0, first_token=2, finished=12, completion_tokens=100, forward_passes=None)
+    burst = RequestRecord(6, first_token=7, finished=7, completion_tokens=5, forward_passes=None)
+    unanswered = RequestRecord(0, first_token=None, finished=9, completion_tokens=0, forward_passes=None)
+    assert ramp.tokens_within([streamed, burst, unanswered], 5, 15) == 70 + 5
+    assert ramp.tokens_within([streamed, burst], 0, 5) == 30
 
 
 def test_the_peer_and_cpu_share_parse_the_lines_the_scripts_use():

@@ -5,9 +5,10 @@
 For each mode, a local Serve app with one replica of `--model` on 127.0.0.1 takes the same bounded ramp of
 closed-loop streaming clients (`--levels`, `--stage-s` seconds each), then `--tail-s` idle seconds (the
 controller should return to tau_max there). The run samples `GET /v1/status` twice a second (tau, replicas,
-queue) and records every request. It prints a table (throughput, request latency and per-token latency
-p50/p95 under load, time-weighted tau, final tau) and writes `ramp.json` and `ramp.png` (throughput,
-p95 per-token latency against the objective, and tau, over time). It stops by itself.
+queue) and records every request. It prints a table (throughput over the ramp and at its peak stages beside
+the fixed tau=1.0 run's, request latency and per-token latency p50/p95 at the peak, time-weighted tau, final
+tau) and writes `ramp.json` and `ramp.png` (throughput, p95 per-token latency against the objective, and
+tau, over time). It stops by itself.
 """
 
 from __future__ import annotations
@@ -131,13 +132,38 @@ def time_weighted_mean(points: list[tuple[float, float]]) -> float:
     return area / (points[-1][0] - points[0][0])
 
 
+def peak_window(args: RampConfig) -> tuple[float, float]:
+    """Seconds from the ramp's start: the first run of stages at the highest level."""
+    first = args.levels.index(max(args.levels))
+    stages = next(
+        (n for n, level in enumerate(args.levels[first:]) if level != args.levels[first]),
+        len(args.levels) - first,
+    )
+    return first * args.stage_s, (first + stages) * args.stage_s
+
+
+def tokens_within(records: list[RequestRecord], lo: float, hi: float) -> float:
+    """Tokens streamed between lo and hi, each reply's tokens spread evenly from its first to its last."""
+    total = 0.0
+    for r in records:
+        if r.first_token is None or r.completion_tokens == 0:
+            continue
+        span = r.finished - r.first_token
+        if span <= 0:
+            total += r.completion_tokens * (lo <= r.finished < hi)
+        else:
+            overlap = min(hi, r.finished) - max(lo, r.first_token)
+            total += r.completion_tokens * max(0.0, overlap) / span
+    return total
+
+
 def summarize(
     mode: str, records: list[RequestRecord], samples: list[Sample], start: float, args: RampConfig
 ) -> dict:
     loaded_until = start + args.stage_s * len(args.levels)
     loaded = [r for r in records if r.finished <= loaded_until + 30]
-    peak_from = start + args.stage_s * args.levels.index(max(args.levels))
-    peak = [r for r in loaded if r.started >= peak_from and r.started < peak_from + args.stage_s * 2]
+    peak_lo, peak_hi = (start + t for t in peak_window(args))
+    peak = [r for r in loaded if peak_lo <= r.started < peak_hi]
     per_token = [p for r in peak if (p := r.inter_token) is not None]
     latencies = [r.latency for r in peak]
     span = max(r.finished for r in loaded) - start if loaded else 1.0
@@ -150,6 +176,7 @@ def summarize(
         "mode": mode,
         "requests": len(loaded),
         "tokens_per_s": sum(r.completion_tokens for r in loaded) / span,
+        "peak_tokens_per_s": tokens_within(records, peak_lo, peak_hi) / (peak_hi - peak_lo),
         "peak_latency_p50_s": percentile(latencies, 0.5),
         "peak_latency_p95_s": percentile(latencies, 0.95),
         "peak_per_token_p50_s": percentile(per_token, 0.5),
@@ -163,13 +190,16 @@ def summarize(
 
 def table(rows: list[dict], target: float) -> str:
     lines = [
-        "| mode | requests | tokens/s | p50 latency s | p95 latency s | p50 s/token | p95 s/token "
+        "| mode | requests | tokens/s | peak tokens/s | x tau=1.0 | p50 latency s | p95 latency s "
+        "| p50 s/token | p95 s/token "
         f"| p95 vs objective ({target:g} s/token) | mean tau | verified | tau after load | replicas |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    base = rows[0]["peak_tokens_per_s"] if rows else float("nan")  # fixed tau=1.0 runs first
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['peak_latency_p50_s']:.2f} "
+            f"| {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} | {r['peak_tokens_per_s']:.1f} "
+            f"| {r['peak_tokens_per_s'] / base:.2f} | {r['peak_latency_p50_s']:.2f} "
             f"| {r['peak_latency_p95_s']:.2f} | {r['peak_per_token_p50_s']:.4f} "
             f"| {r['peak_per_token_p95_s']:.4f} "
             f"| {r['peak_per_token_p95_s'] / target:.2f}x | {r['mean_tau']:.3f} "
