@@ -45,8 +45,11 @@ def dashboard():
         ],
         env=ENV, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
+    url = f"http://127.0.0.1:{DASHBOARD_PORT}"
     try:
-        yield f"http://127.0.0.1:{DASHBOARD_PORT}"
+        # `ray start` returns before the dashboard serves Serve's REST API, later still on a busy machine
+        wait_for(lambda: serve_api_answers(url), 120, "the dashboard's Serve API")
+        yield url
     finally:
         for process in psutil.process_iter(["cmdline"]):
             if any(str(temp_dir) in part for part in process.info["cmdline"] or ()):
@@ -61,13 +64,21 @@ def base_config() -> dict:
     return config
 
 
+def serve_api_answers(dashboard: str) -> bool:
+    try:
+        return httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def deploy(config: dict, dashboard: str, tmp_path: Path) -> None:
     path = tmp_path / f"serve-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(config))
-    subprocess.run(
+    done = subprocess.run(
         [str(BIN / "serve"), "deploy", str(path), "--address", dashboard],
-        env=ENV, check=True, capture_output=True, timeout=120,
+        env=ENV, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+    assert done.returncode == 0, f"serve deploy failed: {done.stderr[-2000:]}"
 
 
 def replicas(app_prefix: str = "") -> dict[str, dict]:
