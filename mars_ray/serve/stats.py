@@ -56,16 +56,16 @@ class StatsRecorder:
         self.window_s = window_s
         self._started = time.monotonic()
         self._steps: deque[tuple[float, int, int]] = deque()  # (time, rows, tokens) within the window
+        self._emitted: deque[tuple[float, int]] = deque()  # (time, tokens) streamed within the window
         self._ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # the most recent, within the window
         self._itl: deque[tuple[float, float]] = deque(maxlen=4096)
         self._generated = self._forwards = 0
         self._finished: Counter[str] = Counter()
 
     def forward(self, now: float, accepted: Sequence[int]) -> None:
-        """One forward that gave these rows these many tokens each."""
+        """One forward that gave these rows these many tokens each (their tokens also go through `tokens`)."""
         self._steps.append((now, len(accepted), sum(accepted)))
         self._forget_before(now - self.window_s)
-        self._generated += sum(accepted)
         self._forwards += 1
 
     def tokens(
@@ -73,7 +73,11 @@ class StatsRecorder:
     ) -> None:
         """A request's `count` new tokens at `now`: its time to first token (since `arrived`) if it had none
         before (`last` is None), else the time per token since its last ones at `last`. Both engines call
-        this, so the window's latencies and the metrics' histograms are one measurement."""
+        this, so the window's latencies and the metrics' histograms are one measurement, and the tokens
+        streamed (the window's tokens/s, the total generated) count as they reach the request."""
+        self._emitted.append((now, count))
+        self._forget_before(now - self.window_s)
+        self._generated += count
         if last is None:
             self._ttft.append((now, now - arrived))
             metrics.first_token(now - arrived)
@@ -92,6 +96,7 @@ class StatsRecorder:
         span = min(self.window_s, now - self._started) or 1.0
         rows = sum(r for _, r, _ in self._steps)
         tokens = sum(t for _, _, t in self._steps)
+        emitted = sum(t for _, t in self._emitted)
         ttft, itl = [v for _, v in self._ttft], [v for _, v in self._itl]
         return EngineStats(
             tau=tau,
@@ -99,7 +104,7 @@ class StatsRecorder:
             waiting=waiting,
             running=running,
             max_batch_size=max_batch_size,
-            tokens_per_s=tokens / span,
+            tokens_per_s=emitted / span,
             forwards_per_s=len(self._steps) / span,
             tokens_per_forward=tokens / rows if rows else 0.0,
             ttft_p50_s=percentile(ttft, 0.5),
@@ -114,6 +119,6 @@ class StatsRecorder:
         )
 
     def _forget_before(self, horizon: float) -> None:
-        for samples in (self._steps, self._ttft, self._itl):
+        for samples in (self._steps, self._emitted, self._ttft, self._itl):
             while samples and samples[0][0] < horizon:
                 samples.popleft()

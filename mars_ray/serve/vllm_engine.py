@@ -91,8 +91,9 @@ class VllmEngine(Operable):
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
     ) -> AsyncIterator[Chunk]:
         """Stream one request: an empty chunk once it is accepted, then a chunk per output of vLLM's (a
-        forward, or several a slow reader missed, as one), the last with its `finish_reason`. Closing the
-        iterator early cancels the request in vLLM."""
+        forward, or several a slow reader missed, as one; with `stream_interval_s`, after the first text,
+        what the interval's forwards add, as one), the last with its `finish_reason`. Closing the iterator
+        early cancels the request in vLLM."""
         config = self.rules.decode_config(
             prompt, params, prompt_field, self._tau, self._verify, self._block_size
         )
@@ -117,20 +118,25 @@ class VllmEngine(Operable):
                 piece, now = output.outputs[0], time.monotonic()
                 tokens = list(piece.token_ids)
                 if tokens:
-                    forwards += 1
+                    forwards += 1  # at least; the request's own count comes with its last output
                     completion += len(tokens)
-                    self._recorder.forward(now, [len(tokens)])
                     self._recorder.tokens(now, arrived, last, len(tokens), self.metrics)
                     last = now
                 if output.finished:
                     finish = piece.finish_reason if piece.finish_reason in ("stop", "length") else "error"
                     steps = accepted_per_forward(completion, histogram_of(piece.spec_decode_metrics))
                     forwards = len(steps)
+                    for accepted in steps:
+                        self._recorder.forward(now, [accepted])
                     self.metrics.request_forwards(steps)
                 logprobs = self._logprobs(piece, config.logprobs)
                 if tokens or finish:
                     text, counted = piece.text, (len(prompt), completion, forwards)
                     yield Chunk(text, *counted, finish, tokens, config.tau, mode, logprobs)
+                    if self.config.stream_interval_s and not finish:
+                        # vLLM merges the outputs a reader has not taken yet: one message per interval
+                        # crosses to the ingress instead of one per forward (Ray Serve LLM batches alike)
+                        await asyncio.sleep(self.config.stream_interval_s)
         finally:
             self._in_flight -= 1
             reason = finish or "cancelled"
@@ -184,7 +190,8 @@ class VllmEngine(Operable):
         self.metrics.load(*self._load())
 
     def stats(self) -> EngineStats:
-        """On the event loop only. `forwards_per_s` counts each request's forwards (vLLM batches them)."""
+        """On the event loop only. `forwards_per_s` counts each request's forwards (vLLM batches them), as
+        its last output reports them."""
         waiting, running = self._load()
         return self._recorder.snapshot(
             self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size
