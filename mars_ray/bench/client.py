@@ -11,9 +11,10 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
+from pydantic import Field
 
 from mars_ray import data
 
@@ -75,6 +76,15 @@ def percentile(values: list[float], q: float) -> float:
 
 ServedSource = Literal["tasks", "chatterbot", "mix"]
 SERVED_SOURCE_HELP = "held-out prompts: generated tasks, real dialogs, or the two taking turns (mix)"
+# The drivers' flag for the replica they start (`ModelConfig.stream_interval_s`, whose range it keeps)
+ReplicaStreamInterval = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=1,
+        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
+    ),
+]
 
 
 def heldout_chats(source: ServedSource, count: int) -> list[list[dict]]:

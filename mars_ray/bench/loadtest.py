@@ -26,6 +26,7 @@ from mars_ray import cli_args, data
 from mars_ray.bench import machine
 from mars_ray.bench.client import (
     SERVED_SOURCE_HELP,
+    ReplicaStreamInterval,
     RequestRecord,
     ServedSource,
     heldout_chats,
@@ -69,11 +70,7 @@ class LoadtestConfig(BaseModel):
         validate_default=True,
         description="torch threads of the replica and of --hf-peer (default: the replica's whole CPUs, >= 1)",
     )
-    stream_interval_s: float = Field(
-        0.0,
-        ge=0,
-        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
-    )
+    stream_interval_s: ReplicaStreamInterval = 0.0
     compile: bool | None = Field(
         None, description="the replica's `compile`: compiled decode steps (default: the engine's own)"
     )

@@ -27,6 +27,7 @@ from mars_ray import cli_args
 from mars_ray.bench import machine
 from mars_ray.bench.client import (
     SERVED_SOURCE_HELP,
+    ReplicaStreamInterval,
     RequestRecord,
     ServedSource,
     heldout_chats,
@@ -61,11 +62,7 @@ class RampConfig(BaseModel):
     dtype: DtypeName = Field("auto", description="the replica's weights")
     num_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the replica")
     engine: Engine = Field("native", description=ENGINE_HELP)
-    stream_interval_s: float = Field(
-        0.0,
-        ge=0,
-        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
-    )
+    stream_interval_s: ReplicaStreamInterval = 0.0
     port: int = Field(8125, ge=1, le=65535, description="the local app's port")
     source: ServedSource = Field("tasks", description=SERVED_SOURCE_HELP)
     out: Path = Field(Path("results/ramp"), description="folder for ramp.json and ramp.png")
