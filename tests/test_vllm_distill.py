@@ -36,7 +36,9 @@ def test_vllm_writes_the_native_batchers_replies(local_ray, tmp_path):
         tasks_count=10,
         limit=20,
         shard_size=8,
-        max_new_tokens=16,
+        # 12: on an AMD EPYC (AVX512, no AMX) one task's 16th token came out differently from the native
+        # batcher's, fp32 on both: a near-tie of the random model that the two kernels' sums break apart
+        max_new_tokens=12,
         dtype="float32",
     )
     native = distill(DistillConfig(**common, output=str(tmp_path / "native")))
@@ -44,4 +46,4 @@ def test_vllm_writes_the_native_batchers_replies(local_ray, tmp_path):
     rows = rows_of(with_vllm)
     assert len(rows) == 20 and len(list(with_vllm.glob("shard-*.jsonl"))) == 3
     assert rows == rows_of(native)
-    assert any(r["completion_tokens"] == 16 for r in rows)  # the budget cuts some replies: counted alike
+    assert any(r["completion_tokens"] == 12 for r in rows)  # the budget cuts some replies: counted alike
