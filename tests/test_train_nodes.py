@@ -121,7 +121,12 @@ def test_a_lost_worker_node_resumes_from_the_last_checkpoint(two_nodes, tmp_path
         assert kill_worker_node() >= 2  # the raylet and at least the Ray Train worker under it
         time.sleep(5)
         start_worker_node(env, temp_dir)  # capacity returns
-        out, _ = driver.communicate(timeout=420)
+        try:
+            out, _ = driver.communicate(timeout=420)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            late = driver.communicate()[0]
+            raise AssertionError(f"no end 420 s after the node came back: {late[-3000:]}") from None
     finally:
         if driver.poll() is None:
             driver.kill()
