@@ -17,6 +17,7 @@ import httpx
 from pydantic import Field
 
 from mars_ray import data
+from mars_ray.serve.config import StreamInterval
 
 
 @dataclass
@@ -76,14 +77,10 @@ def percentile(values: list[float], q: float) -> float:
 
 ServedSource = Literal["tasks", "chatterbot", "mix"]
 SERVED_SOURCE_HELP = "held-out prompts: generated tasks, real dialogs, or the two taking turns (mix)"
-# The drivers' flag for the replica they start (`ModelConfig.stream_interval_s`, whose range it keeps)
+# The drivers' flag for the replica they start: `ModelConfig.stream_interval_s`, its range from there
 ReplicaStreamInterval = Annotated[
-    float,
-    Field(
-        ge=0,
-        le=1,
-        description="the replica's stream_interval_s: after the first text, this long's text is one chunk",
-    ),
+    StreamInterval,
+    Field(description="the replica's stream_interval_s: after the first text, this long's text is one chunk"),
 ]
 
 

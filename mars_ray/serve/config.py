@@ -42,6 +42,8 @@ Tau = Annotated[float, _checked_by(DecodeConfig.check_tau)]
 TauOrNone = Annotated[float | None, _checked_by(DecodeConfig.check_tau)]
 BlockSize = Annotated[int, _checked_by(DecodeConfig.check_block_size)]
 BlockSizeOrNone = Annotated[int | None, _checked_by(DecodeConfig.check_block_size)]
+# A replica's stream interval, seconds (`ModelConfig.stream_interval_s`; the bench drivers' flag for it)
+StreamInterval = Annotated[float, Field(ge=0, le=1)]
 
 
 class TauObjective(BaseModel):
@@ -135,10 +137,8 @@ class ModelConfig(BaseModel):
         None, ge=1, description="the replica's compute threads (on vLLM, its cores); default: its whole CPUs"
     )
     stats_window_s: float = Field(10.0, gt=0, description="look-back of the engine's rates and percentiles")
-    stream_interval_s: float = Field(
+    stream_interval_s: StreamInterval = Field(
         0.0,
-        ge=0,
-        le=1,
         description="after a request's first text, the text of this interval crosses to the ingress as one"
         " chunk (fewer messages per token; text arrives up to this much later). 0: a chunk per forward",
     )
