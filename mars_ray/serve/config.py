@@ -68,6 +68,12 @@ class TauObjective(BaseModel):
     patience: int = Field(2, ge=1, description="ticks in a row before acting")
     interval_s: float = Field(1.0, gt=0, description="seconds between the controller's decisions")
     min_gain: float = Field(0.03, ge=0, description="a lower tau must raise goodput by this fraction")
+    goodput_samples: int = Field(
+        3,
+        ge=1,
+        description="saturated ticks a point's goodput is averaged over before it is compared or left"
+        " downward (one tick's goodput is noisier than min_gain)",
+    )
     memory_s: float = Field(60.0, gt=0, description="forget goodput measurements older than this")
 
     @model_validator(mode="after")

@@ -14,12 +14,17 @@ A lower point only helps while it raises throughput: every extra mask or draft i
 batches a forward stops being free. So while the replica is saturated (requests waiting, or the batch
 full) the controller records the goodput (generated tokens/s) of each point at each batch-size bucket,
 and refuses a step down that did not pay (less than `min_gain` more goodput than the point above it),
-undoing one that turned out not to. Measurements older than `memory_s` are forgotten, so it looks again
-later. No fixed table: what pays is measured on the machine and load at hand.
+undoing one that turned out not to. A point counts as measured once it has `goodput_samples` saturated
+ticks (their mean): one second's goodput at a full batch moves by more than a few percent, so single ticks
+compared with `min_gain` walked to points that did not pay. A saturated replica measures the point it
+holds before it steps down from it, so the next point is judged against a measured one; a point below
+that was never measured is worth a try. Measurements older than `memory_s` are forgotten, so it looks
+again later. No fixed table: what pays is measured on the machine and load at hand.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from mars_ray.serve.config import TauObjective
@@ -63,6 +68,11 @@ class ControllerState:
     goodput: float  # tokens/s over the last tick
 
 
+def _saturated(stats: EngineStats) -> bool:
+    """Requests waiting or the batch full: goodput is then what the point can do, not what was asked."""
+    return stats.running > 0 and (stats.waiting > 0 or stats.running >= stats.max_batch_size)
+
+
 def _bucket(running: int) -> int:
     """Batch sizes grouped by powers of two: goodput is compared between like batches only."""
     return 1 << max(running - 1, 0).bit_length()
@@ -75,7 +85,8 @@ class TauController:
         self.objective, self.points = objective, ladder(objective)
         self.rung = 0
         self._over = self._low = 0
-        self._goodput: dict[tuple[OperatingPoint, int], tuple[float, float]] = {}  # -> (tokens/s, when)
+        # (point, bucket) -> its last saturated ticks' (tokens/s, when)
+        self._goodput: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
         self._last: tuple[float, int, OperatingPoint] | None = None  # (time, generated, point) last tick
         self.state = ControllerState(self.tau, False, 0.0, False, True, False, True, 0.0)
 
@@ -105,13 +116,19 @@ class TauController:
         self._low = self._low + 1 if low else 0
         bucket = _bucket(stats.running)
         last = len(self.points) - 1
-        if over and not self._pays(self.rung, bucket):
+        measured_here = not _saturated(stats) or self._measured(self.point, bucket) is not None
+        if over and self._pays(self.rung, bucket) is False:
             self._move(-1)  # the last step down did not pay: undo it
-        elif self._over >= o.patience and self.rung < last and self._pays(self.rung + 1, bucket):
+        elif (
+            self._over >= o.patience
+            and self.rung < last
+            and measured_here
+            and self._pays(self.rung + 1, bucket) is not False
+        ):
             self._move(+1)
         elif self._low >= o.patience:
             self._move(-1)
-        at_floor = self.rung == last or not self._pays(self.rung + 1, bucket)
+        at_floor = self.rung == last or self._pays(self.rung + 1, bucket) is False
         self.state = ControllerState(
             self.tau, self.point.verify, load, over, low, at_floor, self.rung == 0, goodput
         )
@@ -135,16 +152,15 @@ class TauController:
         if last is None or now <= last[0]:
             return 0.0
         goodput = (stats.generated_tokens - last[1]) / (now - last[0])
-        saturated = stats.waiting > 0 or stats.running >= stats.max_batch_size
-        if saturated and last[2] == point and stats.running > 0:
-            key = (point, _bucket(stats.running))
-            previous = self._goodput.get(key)
-            fresh = previous is not None and now - previous[1] < self.objective.memory_s
-            self._goodput[key] = (0.5 * previous[0] + 0.5 * goodput if fresh else goodput, now)
+        if _saturated(stats) and last[2] == point:
+            samples = self._goodput.setdefault((point, _bucket(stats.running)), deque())
+            samples.append((goodput, now))
+            while len(samples) > self.objective.goodput_samples:
+                samples.popleft()
         return goodput
 
-    def _pays(self, rung: int, bucket: int) -> bool:
-        """Whether point `rung` beats the one above it, as measured; unmeasured counts as worth a try."""
+    def _pays(self, rung: int, bucket: int) -> bool | None:
+        """Whether point `rung` beats the one above it, as measured; None while either is unmeasured."""
         if rung <= 0:
             return True
         mine, theirs = (
@@ -152,11 +168,15 @@ class TauController:
             self._measured(self.points[rung - 1], bucket),
         )
         if mine is None or theirs is None:
-            return True
+            return None
         return mine >= theirs * (1 + self.objective.min_gain)
 
     def _measured(self, point: OperatingPoint, bucket: int) -> float | None:
-        entry = self._goodput.get((point, bucket))
-        if entry is None or self._last is None or self._last[0] - entry[1] > self.objective.memory_s:
+        """The point's mean goodput over its last `goodput_samples` saturated ticks, all within `memory_s`."""
+        samples = self._goodput.get((point, bucket), ())
+        o = self.objective
+        if len(samples) < o.goodput_samples or self._last is None:
             return None
-        return entry[0]
+        if self._last[0] - samples[0][1] > o.memory_s:
+            return None
+        return sum(tokens for tokens, _ in samples) / len(samples)
