@@ -71,8 +71,8 @@ class TauObjective(BaseModel):
     goodput_samples: int = Field(
         3,
         ge=1,
-        description="saturated ticks a point's goodput is averaged over before it is compared or left"
-        " downward (one tick's goodput is noisier than min_gain)",
+        description="ticks a point's speed is averaged over before it is compared or left downward (one"
+        " tick's goodput is noisier than min_gain)",
     )
     memory_s: float = Field(60.0, gt=0, description="forget goodput measurements older than this")
 

@@ -10,16 +10,17 @@ snapshot and moves along it:
 - under `low_fraction` x the objective for `patience` ticks: one point up, never past the first;
 - in between nothing moves: the band between the two thresholds is the hysteresis.
 
-A lower point only helps while it raises throughput: every extra mask or draft is compute, and at large
-batches a forward stops being free. So while the replica is saturated (requests waiting, or the batch
-full) the controller records the goodput (generated tokens/s) of each point at each batch-size bucket,
-and refuses a step down that did not pay (less than `min_gain` more goodput than the point above it),
-undoing one that turned out not to. A point counts as measured once it has `goodput_samples` saturated
-ticks (their mean): one second's goodput at a full batch moves by more than a few percent, so single ticks
-compared with `min_gain` walked to points that did not pay. A saturated replica measures the point it
-holds before it steps down from it, so the next point is judged against a measured one; a point below
-that was never measured is worth a try. Measurements older than `memory_s` are forgotten, so it looks
-again later. No fixed table: what pays is measured on the machine and load at hand.
+A lower point only helps while it makes decoding faster: every extra mask or draft is compute, and at
+large batches a forward stops being free. So the controller measures, whenever requests run, each point's
+speed (tokens/s per running request) at each batch-size bucket, and keeps a point only while it beats the
+one above it by `min_gain`, as measured at the batch size at hand:
+- a point counts as measured after `goodput_samples` ticks at it (their mean): one second's goodput moves
+  by more than a few percent, and single ticks compared with `min_gain` walked to points that did not pay;
+- it measures the point it holds before stepping down from it, and tries a point below never measured;
+- it undoes a step that did not pay, and, where the point above was never measured at this batch size
+  (the load moved it to a new bucket), goes back up to measure it rather than stay below it unjudged.
+Measurements older than `memory_s` are forgotten, so it looks again later. No fixed table: what pays is
+measured on the machine and load at hand.
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ class ControllerState:
     goodput: float  # tokens/s over the last tick
 
 
-def _saturated(stats: EngineStats) -> bool:
-    """Requests waiting or the batch full: goodput is then what the point can do, not what was asked."""
-    return stats.running > 0 and (stats.waiting > 0 or stats.running >= stats.max_batch_size)
-
-
 def _bucket(running: int) -> int:
     """Batch sizes grouped by powers of two: goodput is compared between like batches only."""
     return 1 << max(running - 1, 0).bit_length()
@@ -85,7 +81,7 @@ class TauController:
         self.objective, self.points = objective, ladder(objective)
         self.rung = 0
         self._over = self._low = 0
-        # (point, bucket) -> its last saturated ticks' (tokens/s, when)
+        # (point, bucket) -> its last ticks' (tokens/s per running request, when)
         self._goodput: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
         self._last: tuple[float, int, OperatingPoint] | None = None  # (time, generated, point) last tick
         self.state = ControllerState(self.tau, False, 0.0, False, True, False, True, 0.0)
@@ -116,19 +112,20 @@ class TauController:
         self._low = self._low + 1 if low else 0
         bucket = _bucket(stats.running)
         last = len(self.points) - 1
-        measured_here = not _saturated(stats) or self._measured(self.point, bucket) is not None
-        if over and self._pays(self.rung, bucket) is False:
+        here = stats.running == 0 or self._measured(self.point, bucket) is not None
+        pays, below = self._pays(self.rung, bucket), self._pays_below(bucket)
+        step_down = self._over >= o.patience and self.rung < last and here
+        if over and pays is False:
             self._move(-1)  # the last step down did not pay: undo it
-        elif (
-            self._over >= o.patience
-            and self.rung < last
-            and measured_here
-            and self._pays(self.rung + 1, bucket) is not False
-        ):
+        elif step_down and below is True:
             self._move(+1)
+        elif over and pays is None and here:
+            self._move(-1)  # the point above is not measured at this batch size: measure it first
+        elif step_down and below is None:
+            self._move(+1)  # never measured here: worth a try
         elif self._low >= o.patience:
             self._move(-1)
-        at_floor = self.rung == last or self._pays(self.rung + 1, bucket) is False
+        at_floor = self._pays_below(bucket) is False
         self.state = ControllerState(
             self.tau, self.point.verify, load, over, low, at_floor, self.rung == 0, goodput
         )
@@ -146,15 +143,15 @@ class TauController:
         self._over = self._low = 0
 
     def _record_goodput(self, stats: EngineStats, now: float) -> float:
-        """Tokens/s since the last tick; kept per (point, bucket) if the point held and the batch was full."""
+        """Tokens/s since the last tick; per running request, kept per (point, bucket) if the point held."""
         point = OperatingPoint(round(stats.tau, 6), stats.verify)
         last, self._last = self._last, (now, stats.generated_tokens, point)
         if last is None or now <= last[0]:
             return 0.0
         goodput = (stats.generated_tokens - last[1]) / (now - last[0])
-        if _saturated(stats) and last[2] == point:
+        if stats.running > 0 and last[2] == point:
             samples = self._goodput.setdefault((point, _bucket(stats.running)), deque())
-            samples.append((goodput, now))
+            samples.append((goodput / stats.running, now))
             while len(samples) > self.objective.goodput_samples:
                 samples.popleft()
         return goodput
@@ -171,8 +168,12 @@ class TauController:
             return None
         return mine >= theirs * (1 + self.objective.min_gain)
 
+    def _pays_below(self, bucket: int) -> bool | None:
+        """Whether the next point down beats this one, as measured; False where there is none."""
+        return self._pays(self.rung + 1, bucket) if self.rung < len(self.points) - 1 else False
+
     def _measured(self, point: OperatingPoint, bucket: int) -> float | None:
-        """The point's mean goodput over its last `goodput_samples` saturated ticks, all within `memory_s`."""
+        """The point's mean speed over its last `goodput_samples` ticks, all within `memory_s`."""
         samples = self._goodput.get((point, bucket), ())
         o = self.objective
         if len(samples) < o.goodput_samples or self._last is None:
