@@ -62,7 +62,7 @@ OBJECTIVE = TauObjective(tau_min=0.7, tau_max=1.0, tau_step=0.1, target=4, low_f
 def test_overload_lowers_tau_to_the_floor_and_idle_restores_it():
     replica = Replica(OBJECTIVE, rate=lambda tau: 100 * (2.0 - tau))  # lower tau, more tokens/s
     taus = [replica.tick(waiting=10) for _ in range(12)]
-    # three saturated ticks measure tau 1.0 (the first tick has no goodput yet) before it steps down
+    # three ticks measure tau 1.0 (the first tick has no goodput yet) before it steps down
     assert taus[:3] == [1.0, 1.0, 1.0] and taus[3] == pytest.approx(0.9)
     assert min(taus) == pytest.approx(0.7) and taus[-1] == pytest.approx(0.7)  # never below tau_min
     assert replica.controller.state.at_floor and replica.controller.state.over_objective
@@ -161,7 +161,7 @@ def test_verified_decoding_comes_first_and_stays_only_where_it_pays():
 
     replica = Replica(objective, rate)
     points = []
-    for _ in range(18):  # four points down, each measured over three saturated ticks
+    for _ in range(18):  # four points down, each measured over three ticks
         replica.tick(waiting=10)
         points.append(replica.controller.point)
     assert points[3] == OperatingPoint(0.5, verify=True)  # the lossless step is taken first

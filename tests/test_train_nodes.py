@@ -88,25 +88,28 @@ def logged(metrics: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
+def state_query(env: dict, code: str) -> str:
+    """What `code` prints, run against the cluster's state API (the dashboard) in a fresh interpreter."""
+    env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{DASHBOARD_PORT}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def worker_nodes(env: dict) -> set[str]:
-    """The nodes of the live Ray Train workers, from the state API of the cluster."""
-    query = (
+    """The nodes of the live Ray Train workers."""
+    code = (
         "import json; from ray.util.state import list_actors\n"
         "alive = list_actors(filters=[('class_name', '=', 'RayTrainWorker'), ('state', '=', 'ALIVE')])\n"
         "print(json.dumps(sorted({actor.node_id for actor in alive})))"
     )
-    env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{DASHBOARD_PORT}"}
-    out = subprocess.run([sys.executable, "-c", query], env=env, capture_output=True, text=True, timeout=60)
-    return set(json.loads(out.stdout))
+    return set(json.loads(state_query(env, code)))
 
 
 def dead_nodes(env: dict) -> int:
     """How many nodes the cluster's GCS has declared dead."""
-    query = "from ray.util.state import list_nodes\nprint(sum(n.state == 'DEAD' for n in list_nodes()))"
-    env = {**env, "RAY_ADDRESS": f"http://127.0.0.1:{DASHBOARD_PORT}"}
-    out = subprocess.run([sys.executable, "-c", query], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return int(out.stdout)
+    code = "from ray.util.state import list_nodes\nprint(sum(n.state == 'DEAD' for n in list_nodes()))"
+    return int(state_query(env, code))
 
 
 def test_a_lost_worker_node_resumes_from_the_last_checkpoint(two_nodes, tmp_path):

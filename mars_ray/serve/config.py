@@ -67,7 +67,7 @@ class TauObjective(BaseModel):
     low_fraction: float = Field(0.5, ge=0, lt=1, description="raise tau below low_fraction x target")
     patience: int = Field(2, ge=1, description="ticks in a row before acting")
     interval_s: float = Field(1.0, gt=0, description="seconds between the controller's decisions")
-    min_gain: float = Field(0.03, ge=0, description="a lower tau must raise goodput by this fraction")
+    min_gain: float = Field(0.03, ge=0, description="a lower tau must raise the speed by this fraction")
     goodput_samples: int = Field(
         3,
         ge=1,

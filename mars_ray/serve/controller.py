@@ -82,7 +82,7 @@ class TauController:
         self.rung = 0
         self._over = self._low = 0
         # (point, bucket) -> its last ticks' (tokens/s per running request, when)
-        self._goodput: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
+        self._speeds: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
         self._last: tuple[float, int, OperatingPoint] | None = None  # (time, generated, point) last tick
         self.state = ControllerState(self.tau, False, 0.0, False, True, False, True, 0.0)
 
@@ -150,7 +150,7 @@ class TauController:
             return 0.0
         goodput = (stats.generated_tokens - last[1]) / (now - last[0])
         if stats.running > 0 and last[2] == point:
-            samples = self._goodput.setdefault((point, _bucket(stats.running)), deque())
+            samples = self._speeds.setdefault((point, _bucket(stats.running)), deque())
             samples.append((goodput / stats.running, now))
             while len(samples) > self.objective.goodput_samples:
                 samples.popleft()
@@ -174,7 +174,7 @@ class TauController:
 
     def _measured(self, point: OperatingPoint, bucket: int) -> float | None:
         """The point's mean speed over its last `goodput_samples` ticks, all within `memory_s`."""
-        samples = self._goodput.get((point, bucket), ())
+        samples = self._speeds.get((point, bucket), ())
         o = self.objective
         if len(samples) < o.goodput_samples or self._last is None:
             return None
