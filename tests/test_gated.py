@@ -66,14 +66,16 @@ def mars_ready(family: str, dtype=torch.float64):
     return model
 
 
-def gated_twin(family: str, dtype=torch.float64, trainable: bool = False):
-    """(base, the same base with a random non-zero gated adapter)."""
+def gated_twin(family: str, dtype=torch.float64, trainable: bool = False, stacked: bool = True):
+    """(base, the same base with a random non-zero gated adapter), stacked for decoding unless it trains."""
     base, twin = mars_ready(family, dtype), mars_ready(family, dtype)
     gated.attach(twin, spec(), trainable)
     torch.manual_seed(1)
     with torch.no_grad():
         for tensor in gated.adapter_state(twin).values():
             tensor.normal_(0, 0.5)
+    if stacked and not trainable:
+        gated.stack(twin)
     return base, twin
 
 
@@ -94,6 +96,24 @@ def test_real_tokens_are_the_base_models_bit_for_bit_masks_are_not(family, dtype
     plain = torch.tensor([[5, 17, 33, 12, 40]])
     with torch.no_grad():
         assert torch.equal(twin(input_ids=plain).logits, base(input_ids=plain).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoding_stacks_the_deltas_that_read_one_input_and_computes_what_each_layer_would(family):
+    """`stack`: q/k/v and gate/up as one delta each, o and down alone (4 a layer); the mask rows' logits
+    are the layers' own deltas' up to rounding, the real rows the base's bit for bit."""
+    base, stacked = gated_twin(family)
+    _, layered = gated_twin(family, stacked=False)
+    layers = stacked.config.num_hidden_layers
+    assert len(stacked.mars_gate.stacks) == 4 * layers and not layered.mars_gate.stacks
+    ids = torch.tensor([[5, 17, 33, 8, MASK_ID, MASK_ID], [9, 4, 60, MASK_ID, MASK_ID, MASK_ID]])
+    with torch.no_grad():
+        got, expected = stacked(input_ids=ids).logits, layered(input_ids=ids).logits
+        plain = base(input_ids=ids).logits
+    real = ids != MASK_ID
+    assert torch.equal(got[real], plain[real])
+    torch.testing.assert_close(got[~real], expected[~real], rtol=1e-10, atol=1e-10)
+    assert (got[~real] != plain[~real]).any(dim=-1).all()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -124,7 +124,9 @@ def test_streaming_status_key_and_bad_fields(server, client):
 def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
     """MARS acceptance on a vLLM replica: each finished request hands its metrics the tokens each of its
     forwards took (what the Prometheus families count by position): as many forwards as its usage reports,
-    as many tokens as its reply, and at tau 0.5 forwards that accepted proposals. The engine without Serve."""
+    as many tokens as its reply, and at tau 0.5 forwards that accepted proposals. A request admitted before
+    the replica's point moves counts as unsettled (vLLM keeps its point) until it ends. The engine without
+    Serve."""
     from mars_ray.serve.config import ModelConfig
     from mars_ray.serve.protocol import EngineMetrics
     from mars_ray.serve.types import SamplingParams
@@ -151,13 +153,21 @@ def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
                 ):
                     last = chunk
                 finals.append(last)
-            return finals
+            stream = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+            await anext(stream)  # admitted at the replica's point
+            before = engine.stats().unsettled
+            engine.tau = 0.7
+            moved = engine.stats().unsettled
+            async for _ in stream:
+                pass
+            return finals, (before, moved, engine.stats().unsettled)
         finally:
             await engine.close()
 
-    finals = asyncio.run(run())
-    assert len(metrics.requests) == 2
-    for final, steps in zip(finals, metrics.requests, strict=True):
+    finals, unsettled = asyncio.run(run())
+    assert unsettled == (0, 1, 0)
+    assert len(metrics.requests) == 3
+    for final, steps in zip(finals, metrics.requests[:2], strict=True):
         assert (len(steps), sum(steps)) == (final.forward_passes, final.completion_tokens) == (len(steps), 24)
     assert set(metrics.requests[0]) == {1}  # tau 1: plain AR, a token a forward
     assert max(metrics.requests[1]) > 1

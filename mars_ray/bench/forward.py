@@ -45,7 +45,8 @@ class ForwardBenchConfig(BaseModel):
     gated_rank: PositiveInt | None = Field(
         None,
         description="also time the steps of the model with a gated adapter of this rank on every attention"
-        " and MLP projection (`lora.gated`; its delta runs at the mask slots only), beside the plain model",
+        " and MLP projection (`lora.gated`; its delta runs at the mask slots only), beside the plain model:"
+        " stacked as decoding runs it, and layer by layer as training runs it",
     )
     output: Path | None = Field(None, description="JSON path")
 
@@ -83,10 +84,12 @@ def _forwards(config: ForwardBenchConfig) -> tuple[dict[str, torch.nn.Module], o
         if compiled:
             compile_steps(forwards[name])
     if config.gated_rank:  # a fresh adapter: its cost does not depend on what it has learned
-        name = f"gated r{config.gated_rank}"
-        forwards[name], _ = _load(config)
         rank, targets = config.gated_rank, LoraSettings().target_modules
-        gated.attach(forwards[name], gated.GatedSpec(config.model, rank, 2.0 * rank, targets))
+        for name, stacked in ((f"gated r{rank}", True), (f"gated r{rank} per layer", False)):
+            forwards[name], _ = _load(config)
+            gated.attach(forwards[name], gated.GatedSpec(config.model, rank, 2.0 * rank, targets))
+            if stacked:
+                gated.stack(forwards[name])
     return forwards, tokenizer
 
 

@@ -11,6 +11,12 @@ on the input embedding swaps in the mask row there, and one on each target linea
 those rows only (`index_add`: the other rows are the base layer's output, bit for bit, and the adapter costs
 nothing where there are no masks).
 
+Training runs each layer's own delta. Decoding (`stack`, which `load` calls unless the adapter trains) runs
+the deltas of the projections that read one input (`SHARED_INPUT`: q, k and v; gate and up) as one: their
+A side by side, their B block-diagonal with the scaling folded in. A small window's cost is the number of
+operations, not their size: 7 deltas a layer of five operations each made a window of 4 cost 1.7x a plain
+forward on a CPU (BENCHMARKS.md).
+
 A gated folder (a training checkpoint, or a run's `final/`) holds the model's `config.json` with the marker
 `mars_gated` in it (the base it adapts and the adapter's shape; beside it, as in any MARS checkpoint, the
 mask token id, `mars_block_size` and what calibration writes), `gated_adapter.safetensors` and the
@@ -41,6 +47,8 @@ MARS_KEYS = "mars_"  # config keys a gated folder carries over to its loaded bas
 WEIGHTS = "gated_adapter.safetensors"
 GATE = "mars_gate"  # the model attribute that holds the gate (and, in its state dict, the mask row)
 DELTA = "mars_gated_lora"  # the attribute of each target linear layer that holds its low-rank delta
+STACKED = "mars_gated_stacked"  # for decoding: (its group's `StackedDelta`, its columns' start and stop)
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent, one input
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,29 @@ class LowRankDelta(nn.Module):
         return self.B(self.A(self.dropout(x))) * self.scaling
 
 
+class StackedDelta(nn.Module):
+    """The deltas of layers that read one input, for decoding: one A (theirs side by side) and one B (theirs
+    block-diagonal, scaled), so two matmuls give every part's delta, each over its own output columns; a
+    part that is None (not adapted) gets zero columns of its `width`. The weights are copies, not trained."""
+
+    def __init__(self, parts: list[LowRankDelta | None], widths: list[int]) -> None:
+        super().__init__()
+        adapted = [part for part in parts if part is not None]
+        like = adapted[0].A.weight
+        ranks = [part.A.weight.shape[0] if part is not None else 0 for part in parts]
+        b = like.new_zeros(sum(widths), sum(ranks))
+        row = column = 0
+        for part, rank, width in zip(parts, ranks, widths, strict=True):
+            if part is not None:
+                b[row : row + width, column : column + rank] = part.B.weight.detach() * part.scaling
+            row, column = row + width, column + rank
+        self.register_buffer("A", torch.cat([part.A.weight.detach() for part in adapted]), persistent=False)
+        self.register_buffer("B", b, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(nn.functional.linear(x, self.A), self.B)
+
+
 class Gate(nn.Module):
     """The mask token's trained embedding row, and which positions of the current forward are masks."""
 
@@ -81,6 +112,8 @@ class Gate(nn.Module):
         self.mask_row = nn.Parameter(mask_row.detach().clone())
         self.rows = torch.zeros(0, dtype=torch.long)  # flattened [batch * length] positions of mask tokens
         self.tokens = 0  # batch * length of the current forward
+        self.stacks = nn.ModuleList()  # for decoding, every `StackedDelta` (so the model's `.to` moves them)
+        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> (its input, delta)
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the decoder stack: every forward states its input ids anew."""
@@ -90,6 +123,7 @@ class Gate(nn.Module):
         flat = input_ids.reshape(-1)
         self.rows = (flat == self.mask_id).nonzero().squeeze(1)
         self.tokens = flat.numel()
+        self._stacked.clear()
 
     def embed(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         """Forward hook of the input embedding: the mask row at mask positions."""
@@ -98,6 +132,16 @@ class Gate(nn.Module):
         row = self.mask_row.to(output.dtype).expand(len(self.rows), -1)
         return output.reshape(self.tokens, -1).index_copy(0, self.rows, row).view_as(output)
 
+    def use(self, stacked: StackedDelta, layers: list[nn.Module], widths: list[int]) -> None:
+        """Give each of `layers` its `widths` columns of `stacked`'s delta, in order."""
+        if sum(widths) != stacked.B.shape[0]:
+            raise ValueError(f"a stacked delta {stacked.B.shape[0]} wide given to layers {sum(widths)} wide")
+        self.stacks.append(stacked)
+        start = 0
+        for layer, width in zip(layers, widths, strict=True):
+            setattr(layer, STACKED, (stacked, start, start + width))
+            start += width
+
     def add_delta(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         """Forward hook of a target linear layer: its delta added at mask positions only."""
         if not len(self.rows):
@@ -105,8 +149,21 @@ class Gate(nn.Module):
         x = args[0]
         if x.shape[:-1].numel() != self.tokens:
             raise ValueError(f"gated adapter on a layer not fed one row per token: {tuple(x.shape)}")
-        delta = getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows])
+        delta = self._delta(module, x)
         return output.reshape(self.tokens, -1).index_add(0, self.rows, delta.to(output.dtype)).view_as(output)
+
+    def _delta(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's delta at the mask rows: its own, or its columns of its group's, computed by the first
+        layer of the group that this forward feeds `x` (the others are fed the same tensor)."""
+        stacked = getattr(module, STACKED, None)
+        if stacked is None:
+            return getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows])
+        group, start, stop = stacked
+        fed, delta = self._stacked.get(id(group), (None, None))
+        if fed is not x:
+            delta = group(x.reshape(self.tokens, -1)[self.rows])
+            self._stacked[id(group)] = (x, delta)
+        return delta[:, start:stop]
 
 
 def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> Gate:
@@ -135,6 +192,21 @@ def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> 
     for tensor in adapter_state(model, keep_vars=True).values():
         tensor.requires_grad_(trainable)
     return gate
+
+
+def stack(model: nn.Module) -> None:
+    """For decoding: the deltas of each parent's layers that read one input (`SHARED_INPUT`) as one
+    `StackedDelta`, every other delta as one of its own. Call it after the adapter's weights are final: the
+    stacks are copies (training runs the layers' own deltas, which it leaves in place)."""
+    for parent in model.modules():
+        adapted = {name: child for name, child in parent.named_children() if hasattr(child, DELTA)}
+        shared = [[name for name in group if name in adapted] for group in SHARED_INPUT]
+        alone = [[name] for name in adapted if not any(name in group for group in SHARED_INPUT)]
+        for group in [names for names in shared if names] + alone:
+            layers = [adapted[name] for name in group]
+            widths = [layer.out_features for layer in layers]
+            stacked = StackedDelta([getattr(layer, DELTA) for layer in layers], widths)
+            getattr(model, GATE).use(stacked, layers, widths)
 
 
 def is_gated(model: nn.Module) -> bool:
@@ -167,7 +239,7 @@ def read_spec(folder: str | Path) -> GatedSpec | None:
 
 def load(model: PreTrainedModel, folder: str | Path, trainable: bool = False) -> Gate:
     """Attach the gated adapter saved in `folder` to `model`, its base, with the folder's MARS config keys
-    (`mars_block_size`, calibrated temperatures, the marker)."""
+    (`mars_block_size`, calibrated temperatures, the marker); stacked for decoding unless it trains."""
     folder = Path(folder).expanduser()
     spec = read_spec(folder)
     if spec is None:
@@ -183,6 +255,8 @@ def load(model: PreTrainedModel, folder: str | Path, trainable: bool = False) ->
         missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
         raise ValueError(f"{folder}: its adapter does not fit the model (missing {missing}, extra {extra})")
     model.load_state_dict(saved, strict=False)
+    if not trainable:
+        stack(model)
     return gate
 
 

@@ -16,6 +16,11 @@ speed (tokens/s per running request) at each batch-size bucket, and keeps a poin
 one above it by `min_gain`, as measured at the batch size at hand:
 - a point counts as measured after `goodput_samples` ticks at it (their mean): one second's goodput moves
   by more than a few percent, and single ticks compared with `min_gain` walked to points that did not pay;
+- a tick counts only once every running request decodes at the point held: on vLLM a request keeps the
+  point it was admitted at, and a batch that mixes two points measures neither (each read like the
+  other, and the controller swung between verified decoding and tau 1 every few seconds on the ramp);
+- a point that does not pay at a batch size is taken not to pay at larger ones (a larger batch leaves
+  less of a forward idle for the masks to fill), so growing load does not try it again at each size;
 - it measures the point it holds before stepping down from it, and tries a point below never measured;
 - it undoes a step that did not pay, and, where the point above was never measured at this batch size
   (the load moved it to a new bucket), goes back up to measure it rather than stay below it unjudged.
@@ -83,7 +88,8 @@ class TauController:
         self._over = self._low = 0
         # (point, bucket) -> its last ticks' (tokens/s per running request, when)
         self._speeds: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
-        self._last: tuple[float, int, OperatingPoint] | None = None  # (time, generated, point) last tick
+        # last tick's (time, generated, point, whether every running request decoded at that point)
+        self._last: tuple[float, int, OperatingPoint, bool] | None = None
         self.state = ControllerState(self.tau, False, 0.0, False, True, False, True, 0.0)
 
     @property
@@ -143,13 +149,14 @@ class TauController:
         self._over = self._low = 0
 
     def _record_goodput(self, stats: EngineStats, now: float) -> float:
-        """Tokens/s since the last tick; per running request, kept per (point, bucket) if the point held."""
-        point = OperatingPoint(round(stats.tau, 6), stats.verify)
-        last, self._last = self._last, (now, stats.generated_tokens, point)
+        """Tokens/s since the last tick; per running request, kept per (point, bucket) if the point held and
+        every running request decoded at it through the tick."""
+        point, settled = OperatingPoint(round(stats.tau, 6), stats.verify), stats.unsettled == 0
+        last, self._last = self._last, (now, stats.generated_tokens, point, settled)
         if last is None or now <= last[0]:
             return 0.0
         goodput = (stats.generated_tokens - last[1]) / (now - last[0])
-        if stats.running > 0 and last[2] == point:
+        if stats.running > 0 and last[2] == point and last[3] and settled:
             samples = self._speeds.setdefault((point, _bucket(stats.running)), deque())
             samples.append((goodput / stats.running, now))
             while len(samples) > self.objective.goodput_samples:
@@ -157,7 +164,17 @@ class TauController:
         return goodput
 
     def _pays(self, rung: int, bucket: int) -> bool | None:
-        """Whether point `rung` beats the one above it, as measured; None while either is unmeasured."""
+        """Whether point `rung` beats the one above it, as measured at this batch size; if not measured
+        here, False where it did not pay at a smaller one; else None."""
+        verdict = self._pays_at(rung, bucket)
+        smaller = bucket >> 1
+        while verdict is None and smaller:
+            verdict = False if self._pays_at(rung, smaller) is False else None
+            smaller >>= 1
+        return verdict
+
+    def _pays_at(self, rung: int, bucket: int) -> bool | None:
+        """Whether point `rung` beats the one above it, as measured at `bucket`; None while either is not."""
         if rung <= 0:
             return True
         mine, theirs = (

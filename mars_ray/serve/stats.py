@@ -39,6 +39,7 @@ class EngineStats:
     forward_passes: int
     finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
     verify: bool = False  # the operating mode: verified decoding for greedy requests that do not choose
+    unsettled: int = 0  # running requests still at an earlier operating point (vLLM cannot move them)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -89,7 +90,14 @@ class StatsRecorder:
         self._finished[reason] += 1
 
     def snapshot(
-        self, tau: float, block_size: int, verify: bool, waiting: int, running: int, max_batch_size: int
+        self,
+        tau: float,
+        block_size: int,
+        verify: bool,
+        waiting: int,
+        running: int,
+        max_batch_size: int,
+        unsettled: int = 0,
     ) -> EngineStats:
         now = time.monotonic()
         self._forget_before(now - self.window_s)
@@ -116,6 +124,7 @@ class StatsRecorder:
             forward_passes=self._forwards,
             finished=dict(self._finished),
             verify=verify,
+            unsettled=unsettled,
         )
 
     def _forget_before(self, horizon: float) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -64,6 +65,9 @@ class VllmEngine(Operable):
         self.metrics = metrics
         self._start_at(config.tau, config.verify, rules.decode.block_size)
         self._in_flight = 0
+        # in-flight requests by the operating point the replica had at their admission: vLLM cannot move a
+        # running request to a new one, so after a move the batch mixes both until these finish
+        self._admitted: Counter[tuple[float, bool, int]] = Counter()
         self._recorder = StatsRecorder(config.stats_window_s)
 
     @classmethod
@@ -111,6 +115,8 @@ class VllmEngine(Operable):
         completion = forwards = 0
         finish = None
         self._in_flight += 1
+        admitted = self._point()
+        self._admitted[admitted] += 1
         self.metrics.load(*self._load())
         try:
             yield Chunk("", len(prompt), 0, 0, tau=config.tau, mode=mode)
@@ -139,6 +145,7 @@ class VllmEngine(Operable):
                         await asyncio.sleep(self.config.stream_interval_s)
         finally:
             self._in_flight -= 1
+            self._admitted[admitted] -= 1
             reason = finish or "cancelled"
             if finish is None:
                 with contextlib.suppress(Exception):
@@ -193,9 +200,14 @@ class VllmEngine(Operable):
         """On the event loop only. `forwards_per_s` counts each request's forwards (vLLM batches them), as
         its last output reports them."""
         waiting, running = self._load()
+        now = self._point()
+        unsettled = sum(count for point, count in self._admitted.items() if point != now)
         return self._recorder.snapshot(
-            self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size
+            self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size, unsettled
         )
+
+    def _point(self) -> tuple[float, bool, int]:
+        return self._tau, self._verify, self._block_size
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)

@@ -4,7 +4,8 @@ at mask-token inputs, each target layer's low-rank delta added at those rows onl
 base's own computation, bit for bit, so verified decoding writes vLLM's greedy text of the base.
 
 vLLM fuses the projections a gated folder adapts separately (q, k, v into `qkv_proj`; gate and up into
-`gate_up_proj`): the fused layer's delta is its parts' deltas side by side, zero for a part not adapted.
+`gate_up_proj`): the fused layer's delta is its parts' deltas as one `StackedDelta`, as native decoding
+stacks them, a part not adapted zero.
 The hooks read the batch's input ids, so the model runs eagerly (`enforce_eager`): a compiled graph
 would not see which rows are masks.
 """
@@ -25,8 +26,8 @@ from mars_ray.core.errors import ConfigError
 
 ADAPTER = "mars_gated_adapter"  # the hf_config key (an engine override) naming the adapter's file
 FUSED = {  # vLLM's layer name -> the names a gated folder adapts, in the fused layer's output order
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
+    "qkv_proj": gated.SHARED_INPUT[0],
+    "gate_up_proj": gated.SHARED_INPUT[1],
     "o_proj": ("o_proj",),
     "down_proj": ("down_proj",),
 }
@@ -48,24 +49,6 @@ def engine_args(folder: str | Path) -> dict:
         "hf_overrides": overrides,
         "enforce_eager": True,
     }
-
-
-class FusedDelta(nn.Module):
-    """A fused layer's delta: each part's low-rank delta (None: not adapted, zero) over its output width."""
-
-    def __init__(self, parts: list[gated.LowRankDelta | None], widths: list[int]) -> None:
-        super().__init__()
-        self.parts, self.widths = nn.ModuleList(p or nn.Identity() for p in parts), widths
-        self.adapted = [p is not None for p in parts]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(
-            [
-                part(x) if adapted else x.new_zeros(x.shape[0], width)
-                for part, adapted, width in zip(self.parts, self.adapted, self.widths, strict=True)
-            ],
-            dim=-1,
-        )
 
 
 def attach(model: nn.Module, hf_config) -> gated.Gate:
@@ -91,7 +74,7 @@ def attach(model: nn.Module, hf_config) -> gated.Gate:
         parts = [_delta(saved, f"{prefix}.{part}", spec, layer.weight) for part in FUSED[leaf]]
         if not any(parts):
             continue
-        setattr(layer, gated.DELTA, FusedDelta(parts, widths))
+        gate.use(gated.StackedDelta(parts, widths), [layer], [sum(widths)])
         layer.register_forward_hook(functools.partial(_with_delta, gate))
     if saved:
         raise ConfigError("model", f"the gated adapter does not fit vLLM's model: unused {sorted(saved)[:4]}")
