@@ -39,24 +39,19 @@ def snapshot(
 
 class Replica:
     """Feeds the controller the goodput a replica would have at each point: `rate(point)` tokens/s
-    (`rate(tau)` for a ladder without a verified point). With `lag`, requests keep the point they were
-    admitted at for `lag` ticks after a move, as on vLLM: the batch mixes the points held over the last
-    `lag` ticks, its goodput their mean, and it reports its unsettled requests if `reports_unsettled`."""
+    (`rate(tau)` for a ladder without a verified point)."""
 
-    def __init__(self, objective: TauObjective, rate, lag: int = 1, reports_unsettled: bool = True) -> None:
+    def __init__(self, objective: TauObjective, rate) -> None:
         self.controller = TauController(objective, now=0.0)
         self.rate = rate if objective.verify_tau else lambda point: rate(point.tau)
         self.now, self.generated = 0.0, 0
-        self.lag, self.reports_unsettled, self.held = lag, reports_unsettled, []
 
     def tick(self, waiting: int, running: int = 16, ttft: float | None = None) -> float:
         point = self.controller.point
-        self.held = (self.held + [point])[-self.lag :]
         self.now += 1.0
-        self.generated += int(sum(map(self.rate, self.held)) / len(self.held)) if running else 0
-        mixed = running if self.reports_unsettled and set(self.held) != {point} else 0
+        self.generated += int(self.rate(point)) if running else 0
         stats = dataclasses.replace(
-            snapshot(point.tau, waiting, running, self.generated, ttft), verify=point.verify, unsettled=mixed
+            snapshot(point.tau, waiting, running, self.generated, ttft), verify=point.verify
         )
         return self.controller.update(stats, self.now).tau
 
@@ -140,32 +135,6 @@ def test_a_point_that_does_not_pay_at_a_batch_size_is_not_tried_at_larger_ones()
         taus = [replica.tick(waiting=10, running=running) for _ in range(20)]
         assert min(taus) == pytest.approx(0.9) and replica.controller.state.at_floor
     assert min(replica.tick(waiting=10, running=2) for _ in range(20)) == pytest.approx(0.8)
-
-
-def test_ticks_whose_batch_mixes_two_points_measure_neither():
-    """On vLLM a running request keeps its point (here for 8 ticks after a move): until the batch settles,
-    a tick's goodput is a mix of both points and judges neither. The controller holds a new point until its
-    batch has settled and then measures it (three ticks), goes back to tau 1 where it does not pay, and
-    stays; counting mixed ticks it judged verified decoding from a batch still mostly at tau 1."""
-    objective = OBJECTIVE.model_copy(update={"verify_tau": 0.5})
-
-    def walk(reports_unsettled: bool) -> list[OperatingPoint]:
-        replica = Replica(objective, verify_does_not_pay, lag=8, reports_unsettled=reports_unsettled)
-        points = []
-        for _ in range(40):
-            replica.tick(waiting=10)
-            points.append(replica.controller.point)
-        return points
-
-    def probe(points: list[OperatingPoint]) -> int:
-        """Ticks at verified decoding before it went back up."""
-        first = points.index(OperatingPoint(0.5, verify=True))
-        return points.index(OperatingPoint(1.0), first) - first
-
-    settled = walk(True)
-    assert probe(settled) >= 8 + 3 and settled[-20:] == [OperatingPoint(1.0)] * 20
-    assert sum(a != b for a, b in zip(settled, settled[1:], strict=False)) == 2
-    assert probe(walk(False)) < 8
 
 
 def verify_does_not_pay(point: OperatingPoint) -> float:  # at this batch the drafts cost more than they bring

@@ -124,9 +124,9 @@ def test_streaming_status_key_and_bad_fields(server, client):
 def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
     """MARS acceptance on a vLLM replica: each finished request hands its metrics the tokens each of its
     forwards took (what the Prometheus families count by position): as many forwards as its usage reports,
-    as many tokens as its reply, and at tau 0.5 forwards that accepted proposals. A request admitted before
-    the replica's point moves counts as unsettled (vLLM keeps its point) until it ends. The engine without
-    Serve."""
+    as many tokens as its reply, and at tau 0.5 forwards that accepted proposals. A running request that
+    leaves tau unset follows the replica's point when it moves (the worker's proposer is told): AR before,
+    drafting after, as on the native engine. The engine without Serve."""
     from mars_ray.serve.config import ModelConfig
     from mars_ray.serve.protocol import EngineMetrics
     from mars_ray.serve.types import SamplingParams
@@ -153,20 +153,21 @@ def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
                 ):
                     last = chunk
                 finals.append(last)
-            stream = engine.generate(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
-            await anext(stream)  # admitted at the replica's point
-            before = engine.stats().unsettled
-            engine.tau = 0.7
-            moved = engine.stats().unsettled
-            async for _ in stream:
-                pass
-            return finals, (before, moved, engine.stats().unsettled)
+            engine.tau = 1.0
+            stream = engine.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+            tokens = 0
+            async for chunk in stream:  # the replica's point moves once the reply has 8 tokens
+                tokens += len(chunk.token_ids)
+                if tokens >= 8 and engine.tau == 1.0:
+                    engine.verify, engine.tau = True, 0.05
+            return finals
         finally:
             await engine.close()
 
-    finals, unsettled = asyncio.run(run())
-    assert unsettled == (0, 1, 0)
+    finals = asyncio.run(run())
     assert len(metrics.requests) == 3
+    followed = metrics.requests[2]
+    assert set(followed[:8]) == {1} and max(followed) > 1  # AR, then drafts: it followed mid-reply
     for final, steps in zip(finals, metrics.requests[:2], strict=True):
         assert (len(steps), sum(steps)) == (final.forward_passes, final.completion_tokens) == (len(steps), 24)
     assert set(metrics.requests[0]) == {1}  # tau 1: plain AR, a token a forward

@@ -19,9 +19,25 @@ def test_fields_arrive_as_json_and_are_checked_where_their_rules_live():
         ({"block_size": 0}, "block_size"),
         ({"verify": 1}, "verify"),
         ({"calibrated": "no"}, "calibrated"),
+        ({"follow": "yes"}, "follow"),
     ]:
         with pytest.raises(ConfigError, match=name):
             check(fields, 4)
+
+
+def test_a_request_that_follows_takes_what_it_leaves_unset_from_the_engines_point():
+    """A replica's request (`follow`) decodes at the engine's operating point as on the native engine: the
+    verified mode for greedy requests, tau 1 for sampled ones (verification is greedy only), its own
+    fields where it set them; without a point set it is a plain vLLM request."""
+    verified, lossy = (0.5, True, 4), (0.7, False, 3)
+    follow = {"follow": True}
+    assert (check(follow, 4, True, verified).tau, check(follow, 4, True, verified).verify) == (0.5, True)
+    assert check(follow, 4, False, verified).window == 1  # sampled: exact at tau 1
+    assert (check(follow, 4, False, lossy).tau, check(follow, 4, False, lossy).window) == (0.7, 3)
+    pinned = check(follow | {"tau": 0.3, "block_size": 2}, 4, True, lossy)
+    assert (pinned.tau, pinned.verify, pinned.window) == (0.3, False, 2)
+    assert check(follow, 4, True, None) == check(None, 4)
+    assert check({}, 4, True, lossy) == check(None, 4)  # not following: the point does not apply
 
 
 def test_the_worker_decodes_refused_fields_as_plain_ar():

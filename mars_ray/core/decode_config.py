@@ -148,6 +148,23 @@ class DecodeConfig:
         return "verify" if verify else "mars"
 
 
+def request_point(
+    own: tuple[float | None, bool | None, int | None], greedy: bool, point: tuple[float, bool, int]
+) -> tuple[float, bool, int]:
+    """The tau, mode and window a request decodes with: its `own` choices (None: unset), else the operating
+    `point` (tau, verify, window) of the engine serving it. The point's verified mode is lossless, and its
+    tau only picks the proposals worth checking: a request that mode cannot verify (sampled, since
+    verification is greedy only, or one that turns `verify` off) decodes exactly there, at tau 1, never
+    lossy at the point's tau."""
+    own_tau, own_verify, own_window = own
+    tau, verify, window = point
+    window = window if own_window is None else own_window
+    request_verify = own_verify if own_verify is not None else verify and greedy
+    if own_tau is not None:
+        return own_tau, request_verify, window
+    return (1.0 if verify and not request_verify else tau), request_verify, window
+
+
 def stop_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """EOS ids from the tokenizer and the generation config: where `generate` would stop."""
     ids = {tokenizer.eos_token_id}

@@ -16,9 +16,6 @@ speed (tokens/s per running request) at each batch-size bucket, and keeps a poin
 one above it by `min_gain`, as measured at the batch size at hand:
 - a point counts as measured after `goodput_samples` ticks at it (their mean): one second's goodput moves
   by more than a few percent, and single ticks compared with `min_gain` walked to points that did not pay;
-- a tick counts only once every running request decodes at the point held: on vLLM a request keeps the
-  point it was admitted at, and a batch that mixes two points measures neither (each read like the
-  other, and the controller swung between verified decoding and tau 1 every few seconds on the ramp);
 - a point that does not pay at a batch size is taken not to pay at larger ones (a larger batch leaves
   less of a forward idle for the masks to fill), so growing load does not try it again at each size;
 - it measures the point it holds before stepping down from it, and tries a point below never measured;
@@ -88,8 +85,7 @@ class TauController:
         self._over = self._low = 0
         # (point, bucket) -> its last ticks' (tokens/s per running request, when)
         self._speeds: dict[tuple[OperatingPoint, int], deque[tuple[float, float]]] = {}
-        # last tick's (time, generated, point, whether every running request decoded at that point)
-        self._last: tuple[float, int, OperatingPoint, bool] | None = None
+        self._last: tuple[float, int, OperatingPoint] | None = None  # (time, generated, point) last tick
         self.state = ControllerState(self.tau, False, 0.0, False, True, False, True, 0.0)
 
     @property
@@ -149,14 +145,13 @@ class TauController:
         self._over = self._low = 0
 
     def _record_goodput(self, stats: EngineStats, now: float) -> float:
-        """Tokens/s since the last tick; per running request, kept per (point, bucket) if the point held and
-        every running request decoded at it through the tick."""
-        point, settled = OperatingPoint(round(stats.tau, 6), stats.verify), stats.unsettled == 0
-        last, self._last = self._last, (now, stats.generated_tokens, point, settled)
+        """Tokens/s since the last tick; per running request, kept per (point, bucket) if the point held."""
+        point = OperatingPoint(round(stats.tau, 6), stats.verify)
+        last, self._last = self._last, (now, stats.generated_tokens, point)
         if last is None or now <= last[0]:
             return 0.0
         goodput = (stats.generated_tokens - last[1]) / (now - last[0])
-        if stats.running > 0 and last[2] == point and last[3] and settled:
+        if stats.running > 0 and last[2] == point:
             samples = self._speeds.setdefault((point, _bucket(stats.running)), deque())
             samples.append((goodput / stats.running, now))
             while len(samples) > self.objective.goodput_samples:

@@ -30,6 +30,7 @@ class Operable:
         DecodeConfig.check_tau(tau, "tau")
         self._tau = tau
         self.metrics.tau(tau)
+        self._moved()
 
     @property
     def verify(self) -> bool:
@@ -38,6 +39,7 @@ class Operable:
     @verify.setter
     def verify(self, verify: bool) -> None:
         self._verify = verify
+        self._moved()
 
     @property
     def block_size(self) -> int:
@@ -47,6 +49,10 @@ class Operable:
     def block_size(self, block_size: int) -> None:
         self.rules.check_block_size(block_size)
         self._block_size = block_size
+        self._moved()
+
+    def _moved(self) -> None:
+        """After the point moves: an engine whose running requests learn it elsewhere tells them here."""
 
     @property
     def max_context(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE, DecodeConfig
+from mars_ray.core.decode_config import TRAINED_BLOCK_SIZE, DecodeConfig, request_point
 from mars_ray.core.errors import ConfigError
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.types import SamplingParams
@@ -112,13 +112,6 @@ class RequestRules:
 
 
 def point_for(params: SamplingParams, tau: float, verify: bool, block_size: int) -> tuple[float, bool, int]:
-    """The tau, mode and window a request decodes with: its own choices, else the replica's operating point
-    (`tau`, `verify`, `block_size`). The replica's verified mode is lossless, and its tau only picks the
-    proposals worth checking (it may sit below the operator's `tau_min`): a request that point cannot verify
-    (sampled: verification is greedy only; or one that turns `verify` off) decodes exactly there, at tau 1,
-    never lossy at it."""
-    block_size = block_size if params.block_size is None else params.block_size
-    request_verify = params.verify if params.verify is not None else verify and params.temperature == 0
-    if params.tau is not None:
-        return params.tau, request_verify, block_size
-    return (1.0 if verify and not request_verify else tau), request_verify, block_size
+    """The tau, mode and window a request decodes with at the replica's operating point (`request_point`)."""
+    own = (params.tau, params.verify, params.block_size)
+    return request_point(own, params.temperature == 0, (tau, verify, block_size))

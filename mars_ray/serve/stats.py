@@ -39,7 +39,6 @@ class EngineStats:
     forward_passes: int
     finished: dict[str, int]  # requests by how they ended: stop, length, cancelled, error
     verify: bool = False  # the operating mode: verified decoding for greedy requests that do not choose
-    unsettled: int = 0  # running requests still at an earlier operating point (vLLM cannot move them)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -90,14 +89,7 @@ class StatsRecorder:
         self._finished[reason] += 1
 
     def snapshot(
-        self,
-        tau: float,
-        block_size: int,
-        verify: bool,
-        waiting: int,
-        running: int,
-        max_batch_size: int,
-        unsettled: int = 0,
+        self, tau: float, block_size: int, verify: bool, waiting: int, running: int, max_batch_size: int
     ) -> EngineStats:
         now = time.monotonic()
         self._forget_before(now - self.window_s)
@@ -124,7 +116,6 @@ class StatsRecorder:
             forward_passes=self._forwards,
             finished=dict(self._finished),
             verify=verify,
-            unsettled=unsettled,
         )
 
     def _forget_before(self, horizon: float) -> None:

@@ -4,8 +4,9 @@ the same protocol as the native engine (`protocol.ServingEngine`): `load`, `warm
 
 Why the project's deployment hosts vLLM instead of Ray Serve LLM's `LLMServer`: the replica keeps what
 Ray Serve LLM has no place for, the per-request `tau` / `verify` / `block_size` fields and their checks (a
-400 naming the field), the tau controller moving the replica's operating point without a restart (here it
-rides on every new request as the proposer's fields), `/v1/status`, the replica autoscaling policy and the
+400 naming the field), the tau controller moving the replica's operating point without a restart (the
+worker's proposer holds it, `mars_ray.vllm.worker`, and a request follows it in what it leaves unset, from
+its next forward, as on the native engine), `/v1/status`, the replica autoscaling policy and the
 API key. vLLM itself runs as Ray Serve LLM runs it: `AsyncLLM`, its engine core in a process of its own.
 A request's forward passes come from vLLM's per-request speculative metrics (`mars_ray.vllm.passes`).
 """
@@ -18,7 +19,6 @@ import dataclasses
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +34,7 @@ from mars_ray.serve.types import Chunk, Logprob, SamplingParams
 from mars_ray.vllm.config import cpu_bind, mars_engine_args
 from mars_ray.vllm.offline import KV_CACHE_BYTES, sampling_params
 from mars_ray.vllm.passes import accepted_per_forward, histogram_of
+from mars_ray.vllm.worker import OPERATING_POINT_RPC
 
 
 def replica_engine_args(config: ModelConfig, path: str, max_context: int) -> dict:
@@ -60,14 +61,15 @@ class VllmEngine(Operable):
         config: ModelConfig,
         rules: RequestRules,
         metrics: EngineMetrics,
+        drafting: bool = False,
     ) -> None:
+        """`drafting`: vLLM runs the MARS proposer, whose operating point this engine's moves set."""
         self.llm, self.tokenizer, self.config, self.rules = llm, tokenizer, config, rules
         self.metrics = metrics
+        self._drafting = drafting
+        self._told: set[asyncio.Task] = set()  # calls telling the worker a new point, not yet answered
         self._start_at(config.tau, config.verify, rules.decode.block_size)
         self._in_flight = 0
-        # in-flight requests by the operating point the replica had at their admission: vLLM cannot move a
-        # running request to a new one, so after a move the batch mixes both until these finish
-        self._admitted: Counter[tuple[float, bool, int]] = Counter()
         self._recorder = StatsRecorder(config.stats_window_s)
 
     @classmethod
@@ -89,7 +91,7 @@ class VllmEngine(Operable):
         )
         engine = replica_engine_args(config, path, rules.max_context)
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
-        return cls(llm, tokenizer, config, rules, metrics)
+        return cls(llm, tokenizer, config, rules, metrics, drafting="speculative_config" in engine)
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, prompt_field: str = "prompt"
@@ -105,6 +107,7 @@ class VllmEngine(Operable):
 
         wanted = sampling_params(
             config,
+            own={"tau": params.tau, "verify": params.verify, "block_size": params.block_size},
             output_kind=RequestOutputKind.DELTA,
             stop=list(params.stop) or None,
             include_stop_str_in_output=params.include_stop_str_in_output,
@@ -115,8 +118,6 @@ class VllmEngine(Operable):
         completion = forwards = 0
         finish = None
         self._in_flight += 1
-        admitted = self._point()
-        self._admitted[admitted] += 1
         self.metrics.load(*self._load())
         try:
             yield Chunk("", len(prompt), 0, 0, tau=config.tau, mode=mode)
@@ -145,7 +146,6 @@ class VllmEngine(Operable):
                         await asyncio.sleep(self.config.stream_interval_s)
         finally:
             self._in_flight -= 1
-            self._admitted[admitted] -= 1
             reason = finish or "cancelled"
             if finish is None:
                 with contextlib.suppress(Exception):
@@ -181,7 +181,10 @@ class VllmEngine(Operable):
         return [first] + [self._named(token, alternatives, k) for token, alternatives in pairs]
 
     async def warm_up(self) -> None:
-        """A short request through the whole path, a MARS window included, before reporting ready."""
+        """The worker told the operating point, then a short request through the whole path, a MARS window
+        included, before reporting ready."""
+        if self._drafting:
+            await self._tell_point()
         prompt = self.tokenizer("Hello, how are you?")["input_ids"] or [self.tokenizer.eos_token_id]
         params = SamplingParams(max_tokens=8, tau=0.5, block_size=min(2, self.rules.max_block_size))
         async for _ in self.generate(prompt, dataclasses.replace(params, ignore_eos=True)):
@@ -200,14 +203,27 @@ class VllmEngine(Operable):
         """On the event loop only. `forwards_per_s` counts each request's forwards (vLLM batches them), as
         its last output reports them."""
         waiting, running = self._load()
-        now = self._point()
-        unsettled = sum(count for point, count in self._admitted.items() if point != now)
         return self._recorder.snapshot(
-            self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size, unsettled
+            self._tau, self._block_size, self._verify, waiting, running, self.config.max_batch_size
         )
 
-    def _point(self) -> tuple[float, bool, int]:
-        return self._tau, self._verify, self._block_size
+    def _moved(self) -> None:
+        """Tell the worker's proposer the new point, so running requests that follow it move from their next
+        forward (as on the native engine); before the event loop runs, `warm_up` tells it."""
+        if not self._drafting:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        told = loop.create_task(self._tell_point())
+        self._told.add(told)
+        told.add_done_callback(self._told.discard)
+
+    async def _tell_point(self) -> None:
+        """The point as it stands when the call goes out (of several quick moves, the last wins)."""
+        point = (self._tau, self._verify, self._block_size)
+        await self.llm.collective_rpc(OPERATING_POINT_RPC, args=point)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)

@@ -17,6 +17,7 @@ from mars_ray.vllm import gated as vllm_gated
 from mars_ray.vllm.passes import METRICS_LEVEL
 
 PROPOSER = "mars_ray.vllm.proposer.MarsProposer"
+WORKER_EXTENSION = "mars_ray.vllm.worker.MarsWorker"  # the operating point a replica moves at run time
 
 Engine = Literal["native", "vllm"]  # what decodes: this project's decoders, or vLLM with the MARS proposer
 ENGINE_HELP = "native: this project's decoder (the reference); vllm: vLLM with MARS as its speculative method"
@@ -49,16 +50,16 @@ def is_mars_checkpoint(model: str | Path) -> bool:
 
 
 def mars_engine_args(model: str | Path, dtype: DtypeName = "auto") -> dict:
-    """vLLM engine arguments for `model` (its `model` and `dtype` among them): MARS as its speculative
-    method, with the per-request metrics a request's forward passes are counted from, where it is a MARS
-    checkpoint; for a gated folder, its base as vLLM's model with the adapter attached
-    (`mars_ray.vllm.gated`); a plain model as it is (vLLM refuses speculative metrics without a speculative
-    method)."""
+    """vLLM engine arguments for `model` (its `model` and `dtype` among them): MARS as its speculative method,
+    with the per-request metrics a request's forward passes are counted from and the worker call that moves
+    the operating point (`mars_ray.vllm.worker`), where it is a MARS checkpoint; for a gated folder, its base
+    as vLLM's model with the adapter attached (`mars_ray.vllm.gated`); a plain model as it is (vLLM refuses
+    speculative metrics without a speculative method)."""
     if not is_mars_checkpoint(model):
         args = {"model": str(model)}
     else:
         args = {"speculative_config": speculative_config(model)}
-        args |= {"per_request_spec_decode_metrics": METRICS_LEVEL}
+        args |= {"per_request_spec_decode_metrics": METRICS_LEVEL, "worker_extension_cls": WORKER_EXTENSION}
         args |= vllm_gated.engine_args(model) if gated.read_spec(model) is not None else {"model": str(model)}
     return args | {"dtype": saved_dtype(args["model"]) if dtype == "auto" else dtype}
 

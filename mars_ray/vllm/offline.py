@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.decode_state import DecodeResult, TokenLogprob
@@ -17,12 +17,16 @@ from mars_ray.vllm.passes import accepted_per_forward, histogram_of
 KV_CACHE_BYTES = 1 << 30  # vLLM-CPU otherwise reserves 92% of the machine's memory for its cache
 
 
-def sampling_params(config: DecodeConfig, **overrides):
+def sampling_params(config: DecodeConfig, own: Mapping[str, object] | None = None, **overrides):
     """vLLM's `SamplingParams` for a `DecodeConfig` (and any of its fields in `overrides`): its stop ids and
     nothing else end a reply (as the native decoders stop), its MARS fields go to the proposer as
-    `extra_args`."""
+    `extra_args`. With `own` (a replica's request: the MARS fields it set itself), only those go, and it
+    follows the engine's operating point in the rest (`mars_ray.vllm.settings`)."""
     from vllm import SamplingParams
 
+    mars = {"tau": config.tau, "verify": config.verify, "block_size": config.block_size}
+    if own is not None:
+        mars = {name: value for name, value in own.items() if value is not None} | {"follow": True}
     fields = dict(
         temperature=config.temperature,
         top_p=config.top_p,
@@ -33,12 +37,7 @@ def sampling_params(config: DecodeConfig, **overrides):
         stop_token_ids=list(config.stop_token_ids),
         logprobs=config.logprobs,
         skip_special_tokens=False,
-        extra_args={
-            "tau": config.tau,
-            "verify": config.verify,
-            "block_size": config.block_size,
-            "calibrated": bool(config.slot_temperatures),
-        },
+        extra_args=mars | {"calibrated": bool(config.slot_temperatures)},
     )
     return SamplingParams(**(fields | overrides))
 

@@ -18,7 +18,12 @@ import torch
 from transformers import AutoTokenizer
 
 from mars_ray.core import gated
-from mars_ray.core.decode_config import DEFAULT_BLOCK_SIZE, SLOT_TEMPERATURES, TRAINED_BLOCK_SIZE
+from mars_ray.core.decode_config import (
+    DEFAULT_BLOCK_SIZE,
+    SLOT_TEMPERATURES,
+    TRAINED_BLOCK_SIZE,
+    DecodeConfig,
+)
 from mars_ray.core.errors import ConfigError
 from mars_ray.vllm import cpu_fix
 from mars_ray.vllm import gated as vllm_gated
@@ -48,7 +53,14 @@ class MarsProposer:
         )
         self._batch: list[DraftSettings] = []
         self._read: list[Proposals | None] = []
+        self.point: tuple[float, bool, int] | None = None  # the operating point, once a replica sets one
         _install_hook()
+
+    def follow(self, tau: float, verify: bool, block_size: int) -> None:
+        """The operating point that requests marked `follow` take what they leave unset from, from the next
+        forward on (`MarsWorker`, called by a replica)."""
+        DecodeConfig.check_tau(tau)
+        self.point = (tau, bool(verify), DecodeConfig.check_block_size(block_size, most=self.block_size))
 
     def load_model(self, target_model, *args, **kwargs) -> None:
         """vLLM loads a drafter's weights here; the target is this drafter, plus the gated adapter where the
@@ -63,7 +75,7 @@ class MarsProposer:
             params = requests[req_id].sampling_params
             greedy = params is None or params.temperature < GREEDY_BELOW
             extra = params.extra_args if params is not None else None
-            self._batch.append(settings_of(extra, self.block_size, greedy))
+            self._batch.append(settings_of(extra, self.block_size, greedy, self.point))
         drafts: list[list[int]] = [[] for _ in req_ids]
         if metadata is not None:
             flat = metadata.draft_token_ids.tolist()
