@@ -126,6 +126,15 @@ def test_bench_forward_times_every_window(tmp_path):
     assert error.value.field == "prepack"
 
 
+def test_bench_forward_times_the_gate_stacked_and_layer_by_layer_beside_eager():
+    config = ForwardBenchConfig(
+        model="tiny", context=8, windows=(1, 2), batch_sizes=(1,), steps=2, gated_rank=4
+    )
+    steps = run_forward_bench(config)
+    assert [s.forward for s in steps] == ["eager"] * 2 + ["gated r4"] * 2 + ["gated r4 per layer"] * 2
+    assert all(s.milliseconds > 0 for s in steps)
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bf16 on this CPU")
 def test_bench_forward_times_packed_weights_beside_eager():
     config = ForwardBenchConfig(

@@ -46,7 +46,7 @@ class ForwardBenchConfig(BaseModel):
         None,
         description="also time the steps of the model with a gated adapter of this rank on every attention"
         " and MLP projection (`lora.gated`; its delta runs at the mask slots only), beside the plain model:"
-        " stacked as decoding runs it, and layer by layer as training runs it",
+        " stacked as decoding runs it, layer by layer as training runs it, and (with `compile`) compiled",
     )
     output: Path | None = Field(None, description="JSON path")
 
@@ -85,11 +85,16 @@ def _forwards(config: ForwardBenchConfig) -> tuple[dict[str, torch.nn.Module], o
             compile_steps(forwards[name])
     if config.gated_rank:  # a fresh adapter: its cost does not depend on what it has learned
         rank, targets = config.gated_rank, LoraSettings().target_modules
-        for name, stacked in ((f"gated r{rank}", True), (f"gated r{rank} per layer", False)):
+        gates = [(f"gated r{rank}", True, False), (f"gated r{rank} per layer", False, False)]
+        if config.compile:
+            gates.append((f"gated r{rank} compiled", True, True))
+        for name, stacked, compiled in gates:
             forwards[name], _ = _load(config)
             gated.attach(forwards[name], gated.GatedSpec(config.model, rank, 2.0 * rank, targets))
             if stacked:
                 gated.stack(forwards[name])
+            if compiled:
+                compile_steps(forwards[name])
     return forwards, tokenizer
 
 
