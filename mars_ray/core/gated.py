@@ -13,9 +13,9 @@ nothing where there are no masks).
 
 Training runs each layer's own delta. Decoding (`stack`, which `load` calls unless the adapter trains) runs
 the deltas of the projections that read one input (`SHARED_INPUT`: q, k and v; gate and up) as one: their
-A side by side, their B block-diagonal with the scaling folded in. A small window's cost is the number of
-operations, not their size: 7 deltas a layer of five operations each made a window of 4 cost 1.7x a plain
-forward on a CPU (BENCHMARKS.md).
+A side by side, their B block-diagonal with the scaling folded in: at a few mask rows each operation's cost
+is mostly its own overhead, and on SmolLM2 in bf16 a window of 4 cost 1.75x a plain forward layer by layer,
+1.55x stacked (BENCHMARKS.md).
 
 A gated folder (a training checkpoint, or a run's `final/`) holds the model's `config.json` with the marker
 `mars_gated` in it (the base it adapts and the adapter's shape; beside it, as in any MARS checkpoint, the
