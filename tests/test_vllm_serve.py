@@ -154,7 +154,8 @@ def test_a_vllm_engine_reports_what_each_forward_took(checkpoint):
                     last = chunk
                 finals.append(last)
             engine.tau = 1.0
-            stream = engine.generate(prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+            # a long reply: the move lands mid-reply however slowly this reader keeps up
+            stream = engine.generate(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
             tokens = 0
             async for chunk in stream:  # the replica's point moves once the reply has 8 tokens
                 tokens += len(chunk.token_ids)

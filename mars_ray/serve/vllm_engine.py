@@ -68,6 +68,7 @@ class VllmEngine(Operable):
         self.metrics = metrics
         self._drafting = drafting
         self._told: set[asyncio.Task] = set()  # calls telling the worker a new point, not yet answered
+        self._told_point: tuple[float, bool, int] | None = None  # the point the worker was last told
         self._start_at(config.tau, config.verify, rules.decode.block_size)
         self._in_flight = 0
         self._recorder = StatsRecorder(config.stats_window_s)
@@ -221,9 +222,17 @@ class VllmEngine(Operable):
         told.add_done_callback(self._told.discard)
 
     async def _tell_point(self) -> None:
-        """The point as it stands when the call goes out (of several quick moves, the last wins)."""
-        point = (self._tau, self._verify, self._block_size)
+        """The point as it stands when the call goes out (of several quick moves, the last wins; a setter at a
+        time would show the worker half a move, a lossy tau before the verified mode). The controller sets the
+        point every tick: one the worker already holds is not sent again."""
+        point = self._point()
+        if point == self._told_point:
+            return
+        self._told_point = point
         await self.llm.collective_rpc(OPERATING_POINT_RPC, args=point)
+
+    def _point(self) -> tuple[float, bool, int]:
+        return self._tau, self._verify, self._block_size
 
     async def close(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)
