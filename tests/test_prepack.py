@@ -17,7 +17,7 @@ BF16_NATIVE = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 
 
 def linears(model: torch.nn.Module) -> int:
-    return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return sum(type(m) is torch.nn.Linear for m in model.modules())  # unpacked ones
 
 
 @pytest.mark.skipif(not BF16_NATIVE, reason="this CPU has no native bf16 for oneDNN")
@@ -57,3 +57,26 @@ def test_the_engine_packs_bf16_only_where_it_runs():
     text = asyncio.run(reply(*packed, prepack=True))
     assert (linears(packed[0]) == 0) == BF16_NATIVE
     assert text == expected
+
+
+@pytest.mark.skipif(not BF16_NATIVE, reason="this CPU has no native bf16 for oneDNN")
+def test_a_gated_model_packs_with_its_gate():
+    """Packing is in place: the adapted layers keep the gate's hooks and the stacked deltas are packed too,
+    so the packed gated model's logits are the stock gated model's, its mask rows not the base's."""
+    from conftest import MASK_ID
+    from test_gated import gated_twin
+
+    base, stock = gated_twin("llama", torch.bfloat16)
+    _, packed = gated_twin("llama", torch.bfloat16)
+    assert prepack_linears(packed) == linears(stock) > len(stock.mars_gate.stacks) * 2
+    assert linears(packed) == 0
+    ids = torch.tensor([[5, 17, 33, 8, MASK_ID, MASK_ID, MASK_ID], [9, 4, 4, 60, 3, 21, MASK_ID]])
+    with torch.inference_mode():
+        got, expected, plain = (
+            packed(input_ids=ids).logits,
+            stock(input_ids=ids).logits,
+            base(input_ids=ids).logits,
+        )
+    assert torch.equal(got, expected)
+    real = ids != MASK_ID
+    assert torch.equal(got[real], plain[real]) and (got[~real] != plain[~real]).any(dim=-1).all()

@@ -148,6 +148,14 @@ def test_bench_forward_times_packed_weights_beside_eager():
         ("packed", 1, 2),
     ]
     assert all(s.eager_ratio == 1.0 for s in steps if s.forward == "eager")
+    gated = run_forward_bench(config.model_copy(update={"gated_rank": 4, "windows": (2,)}))
+    assert [s.forward for s in gated] == [
+        "eager",
+        "packed",
+        "gated r4",
+        "gated r4 per layer",
+        "gated r4 packed",
+    ]
 
 
 def test_calibrate_fits_and_stores_slot_temperatures(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -29,6 +30,7 @@ from mars_ray.bench.forward import ForwardBenchConfig, forward_table, run_forwar
 from mars_ray.bench.measure import PeakMemory, device_line, sync, write_json
 from mars_ray.core.dtypes import DtypeName, torch_dtype
 from mars_ray.core.errors import ConfigError
+from mars_ray.core.prepack import can_prepack, prepack_linears
 from mars_ray.data import chat_prompt_ids, chatterbot_dialogs, verifiable_tasks
 from mars_ray.serve.config import BlockSizeOrNone, Tau
 from mars_ray.vllm.config import ENGINE_HELP, Engine
@@ -64,6 +66,12 @@ class BenchConfig(BaseModel):
     )
     device: str = Field("cpu", description="torch device")
     dtype: DtypeName = Field("auto", description="weights' dtype (auto: as saved)")
+    prepack: bool = Field(
+        False,
+        description="pack the checkpoint's linear weights once, as the serving engine does for bf16 on a"
+        " CPU with native bf16 (`prepack_weights`): every in-process method on it runs packed, the baseline"
+        " stock",
+    )
     repeats: int = Field(3, ge=1, description="rounds of every method in turn; each row reports its median")
     output: Path | None = Field(None, description="JSON path")
 
@@ -89,31 +97,52 @@ def bench_prompts(tokenizer, count: int, source: str = "mixed") -> list[list[int
 
 
 def run_bench(config: BenchConfig) -> BenchReport:
+    # Loaded (and packed) in the thread that runs every forward, as the engine does: in a thread that was not
+    # the first to run torch's parallel work, oneDNN's small bf16 products run slower (BENCHMARKS.md).
+    torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-torch")
+    try:
+        model, tokenizer, base_model = torch_thread.submit(_load_models, config).result()
+        report = _run_bench(config, model, tokenizer, base_model, torch_thread)
+    finally:
+        torch_thread.shutdown()
+    write_json(config.output, report.to_json())
+    return report
+
+
+def _load_models(config: BenchConfig) -> tuple[torch.nn.Module, object, torch.nn.Module | None]:
     model, tokenizer = _load(config.model, config)
+    if config.prepack:
+        if not can_prepack(model):
+            raise ConfigError(
+                "prepack", "packed weights need bf16 weights on a CPU with native bf16 (oneDNN)"
+            )
+        prepack_linears(model)
     base_model = _load(config.baseline, config)[0] if config.baseline else None
+    return model, tokenizer, base_model
+
+
+def _run_bench(
+    config: BenchConfig, model: torch.nn.Module, tokenizer, base_model, torch_thread: ThreadPoolExecutor
+) -> BenchReport:
     vllm = None
     if config.engine == "vllm":
         from mars_ray.vllm.offline import VllmDecoder
 
         vllm = VllmDecoder(models.resolve(config.model), dtype=config.dtype)
-    decoders = Decoders(config, model, tokenizer, base_model, vllm)
+    decoders = Decoders(config, model, tokenizer, torch_thread, base_model, vllm)
     prompts = bench_prompts(tokenizer, config.prompts, config.prompt_source)
     report = BenchReport(config, device_line(model.device))
-    try:
-        for batch_size in config.batch_sizes:
-            measured = _measure(decoders.runs(batch_size), prompts, batch_size, config.repeats, model.device)
-            compare(measured)
-            for m, _ in measured:
-                report.measurements.append(m)
-                tau = "-" if m.tau is None else f"{m.tau:g}"
-                print(
-                    f"  {m.method:17s} tau {tau:>4} batch {batch_size:2d} block {m.cache_block or '-':>3}: "
-                    f"{m.tokens_per_second:8.1f} tok/s  x{m.ratio:.2f}  {m.tokens_per_forward:.2f} tok/fwd",
-                    flush=True,
-                )
-    finally:
-        decoders.close()
-    write_json(config.output, report.to_json())
+    for batch_size in config.batch_sizes:
+        measured = _measure(decoders.runs(batch_size), prompts, batch_size, config.repeats, model.device)
+        compare(measured)
+        for m, _ in measured:
+            report.measurements.append(m)
+            tau = "-" if m.tau is None else f"{m.tau:g}"
+            print(
+                f"  {m.method:17s} tau {tau:>4} batch {batch_size:2d} block {m.cache_block or '-':>3}: "
+                f"{m.tokens_per_second:8.1f} tok/s  x{m.ratio:.2f}  {m.tokens_per_forward:.2f} tok/fwd",
+                flush=True,
+            )
     return report
 
 

@@ -31,6 +31,7 @@ from mars_ray.bench.baseline import hf_greedy_tokens
 from mars_ray.bench.measure import ForwardCounter, ReportedForwards
 from mars_ray.core.decode_config import DecodeConfig
 from mars_ray.core.decoder import decode_cached
+from mars_ray.core.prepack import PackedLinear
 from mars_ray.core.reference import decode_block_cached
 from mars_ray.serve.config import ModelConfig
 from mars_ray.serve.engine import Engine
@@ -97,9 +98,13 @@ class Decoders:
         config: BenchConfig,
         model: torch.nn.Module,
         tokenizer,
+        torch_thread: ThreadPoolExecutor,
         base_model: torch.nn.Module | None = None,
         vllm: VllmDecoder | None = None,
     ) -> None:
+        """`torch_thread`: the one thread every forward of the run takes, the engine's included (torch gives
+        each thread that computes its own OpenMP team, and a second team on the same cores slows whichever
+        method runs after it); the models were loaded there (see `run_bench`)."""
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.base_model, self.vllm = base_model, vllm
         self.decode = DecodeConfig.for_model(
@@ -110,12 +115,7 @@ class Decoders:
             tau=config.tau,
             max_new_tokens=config.max_new_tokens,
         )
-        # Every forward of the run on one thread, the engine's included: torch gives each thread that computes
-        # its own OpenMP team, and a second team on the same cores slows whichever method runs after it.
-        self.torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-torch")
-
-    def close(self) -> None:
-        self.torch_thread.shutdown()
+        self.torch_thread = torch_thread
 
     def runs(self, batch_size: int) -> list[Run]:
         wanted, runs = self.config.methods, []
@@ -144,6 +144,13 @@ class Decoders:
                     runs += [self._block(name, decode, block, fuse) for block in self.config.cache_blocks]
             if "engine" in wanted:
                 runs.append(self._engine(decode, batch_size))
+        if any(isinstance(m, PackedLinear) for m in self.model.modules()):  # every method on it runs them
+            on_model = [r.in_process and r.method != "ar-base" for r in runs]
+            note = "packed weights"
+            runs = [
+                replace(r, note=f"{r.note}; {note}" if r.note else note) if o else r
+                for r, o in zip(runs, on_model, strict=True)
+            ]
         return runs
 
     def _on_torch_thread(self, fn: Callable[[Rows], Rows]) -> Callable[[Rows], Rows]:

@@ -85,14 +85,18 @@ def _forwards(config: ForwardBenchConfig) -> tuple[dict[str, torch.nn.Module], o
             compile_steps(forwards[name])
     if config.gated_rank:  # a fresh adapter: its cost does not depend on what it has learned
         rank, targets = config.gated_rank, LoraSettings().target_modules
-        gates = [(f"gated r{rank}", True, False), (f"gated r{rank} per layer", False, False)]
+        gates = [(f"gated r{rank}", True, False, False), (f"gated r{rank} per layer", False, False, False)]
+        if config.prepack:
+            gates.append((f"gated r{rank} packed", True, True, False))
         if config.compile:
-            gates.append((f"gated r{rank} compiled", True, True))
-        for name, stacked, compiled in gates:
+            gates.append((f"gated r{rank} compiled", True, False, True))
+        for name, stacked, packed, compiled in gates:
             forwards[name], _ = _load(config)
             gated.attach(forwards[name], gated.GatedSpec(config.model, rank, 2.0 * rank, targets))
             if stacked:
                 gated.stack(forwards[name])
+            if packed:
+                prepack_linears(forwards[name])
             if compiled:
                 compile_steps(forwards[name])
     return forwards, tokenizer

@@ -82,8 +82,9 @@ class LowRankDelta(nn.Module):
 
 class StackedDelta(nn.Module):
     """The deltas of layers that read one input, for decoding: one A (theirs side by side) and one B (theirs
-    block-diagonal, scaled), so two matmuls give every part's delta, each over its own output columns; a
-    part that is None (not adapted) gets zero columns of its `width`. The weights are copies, not trained."""
+    block-diagonal, scaled), so two products give every part's delta, each over its own output columns; a
+    part that is None (not adapted) gets zero columns of its `width`. The weights are copies, not trained;
+    A and B are `nn.Linear`s, so the engine's packing (`prepack.py`) packs them with the model's own."""
 
     def __init__(self, parts: list[LowRankDelta | None], widths: list[int]) -> None:
         super().__init__()
@@ -96,11 +97,17 @@ class StackedDelta(nn.Module):
             if part is not None:
                 b[row : row + width, column : column + rank] = part.B.weight.detach() * part.scaling
             row, column = row + width, column + rank
-        self.register_buffer("A", torch.cat([part.A.weight.detach() for part in adapted]), persistent=False)
-        self.register_buffer("B", b, persistent=False)
+        self.A = _frozen_linear(torch.cat([part.A.weight.detach() for part in adapted]))
+        self.B = _frozen_linear(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(nn.functional.linear(x, self.A), self.B)
+        return self.B(self.A(x))
+
+
+def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 class Gate(nn.Module):
@@ -134,8 +141,8 @@ class Gate(nn.Module):
 
     def use(self, stacked: StackedDelta, layers: list[nn.Module], widths: list[int]) -> None:
         """Give each of `layers` its `widths` columns of `stacked`'s delta, in order."""
-        if sum(widths) != stacked.B.shape[0]:
-            raise ValueError(f"a stacked delta {stacked.B.shape[0]} wide given to layers {sum(widths)} wide")
+        if (wide := stacked.B.out_features) != sum(widths):
+            raise ValueError(f"a stacked delta {wide} wide given to layers {sum(widths)} wide")
         self.stacks.append(stacked)
         start = 0
         for layer, width in zip(layers, widths, strict=True):
@@ -214,11 +221,12 @@ def is_gated(model: nn.Module) -> bool:
 
 
 def adapter_state(model: PreTrainedModel, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """The gated adapter's tensors (the mask row and every delta), named as in `model.state_dict()`."""
+    """The gated adapter's tensors (the mask row and every delta; not the stacks decoding runs, copies of
+    the deltas), named as in `model.state_dict()`."""
     return {
         name: tensor
         for name, tensor in model.state_dict(keep_vars=keep_vars).items()
-        if name.startswith(f"{GATE}.") or f".{DELTA}." in name
+        if (name.startswith(f"{GATE}.") and not name.startswith(f"{GATE}.stacks.")) or f".{DELTA}." in name
     }
 
 

@@ -9,6 +9,10 @@ bit. Pack in the thread that runs the forwards: in a thread that was not the fir
 work the packed products lose their gain. The packed layers are for decoding only: they hold no trainable
 parameter, and a model with them is not saved. The output embedding gets its own packed copy; the input
 embedding keeps the tied weight.
+
+A layer is packed in place: it keeps its identity, its hooks and what is attached to it, so a gated
+adapter's deltas (`gated.py`: forward hooks on the adapted layers, and `nn.Linear`s of their own, packed
+too) run on a packed model as on a stock one.
 """
 
 from __future__ import annotations
@@ -19,21 +23,26 @@ from torch import nn
 BATCH_HINT = 16  # rows oneDNN picks its blocking for; any batch runs, this one best
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear`'s product with its weight already in oneDNN's blocked layout."""
+class PackedLinear(nn.Linear):
+    """`nn.Linear`'s product with its weight already in oneDNN's blocked layout (`packed`; no `weight`)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+    packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack(linear: nn.Linear) -> None:
+    """Turn `linear` into a `PackedLinear`, in place."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), BATCH_HINT)
+    del linear.weight  # a tied weight stays with the module it is tied to (the input embedding)
+    linear.register_buffer("packed", packed)
+    if linear.bias is not None:
+        linear.bias.requires_grad_(False)
+    linear.__class__ = PackedLinear
 
 
 def can_prepack(model: nn.Module) -> bool:
@@ -49,11 +58,8 @@ def can_prepack(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def prepack_linears(model: nn.Module) -> int:
-    """Replace every bf16 `nn.Linear` of `model` by a `PackedLinear`; return how many."""
-    packed = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, PackedLinear(child))
-                packed += 1
-    return packed
+    """Pack every bf16 `nn.Linear` of `model` (`pack`); return how many."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16]
+    for linear in linears:
+        pack(linear)
+    return len(linears)
