@@ -80,7 +80,7 @@ def gated_twin(family: str, dtype=torch.float64, trainable: bool = False, stacke
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_real_tokens_are_the_base_models_bit_for_bit_masks_are_not(family, dtype):
     base, twin = gated_twin(family, dtype)
     # real tokens, then masks, as every decoder lays a window out (a real token after a mask would attend to
@@ -100,20 +100,27 @@ def test_real_tokens_are_the_base_models_bit_for_bit_masks_are_not(family, dtype
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_decoding_stacks_the_deltas_that_read_one_input_and_computes_what_each_layer_would(family):
-    """`stack`: q/k/v and gate/up as one delta each, o and down alone (4 a layer); the mask rows' logits
-    are the layers' own deltas' up to rounding, the real rows the base's bit for bit."""
+    """`stack`: q/k/v and gate/up as one delta each, o and down alone (4 a layer), each one's A folded into
+    its first layer (q, gate, o, down); the mask rows' logits are the layers' own deltas' up to rounding, the
+    real rows the base's bit for bit. Decode steps (many masks) run the folded deltas on every row, a
+    prompt's forward (a few masks) on the mask rows only: both, here."""
     base, stacked = gated_twin(family)
     _, layered = gated_twin(family, stacked=False)
     layers = stacked.config.num_hidden_layers
     assert len(stacked.mars_gate.stacks) == 4 * layers and not layered.mars_gate.stacks
-    ids = torch.tensor([[5, 17, 33, 8, MASK_ID, MASK_ID], [9, 4, 60, MASK_ID, MASK_ID, MASK_ID]])
-    with torch.no_grad():
-        got, expected = stacked(input_ids=ids).logits, layered(input_ids=ids).logits
-        plain = base(input_ids=ids).logits
-    real = ids != MASK_ID
-    assert torch.equal(got[real], plain[real])
-    torch.testing.assert_close(got[~real], expected[~real], rtol=1e-10, atol=1e-10)
-    assert (got[~real] != plain[~real]).any(dim=-1).all()
+    folded = {name.rsplit(".", 1)[-1] for name, m in stacked.named_modules() if getattr(m, gated.FOLDED, 0)}
+    assert folded == {"q_proj", "gate_proj", "o_proj", "down_proj"}
+    assert not any(hasattr(group, "A") for group in stacked.mars_gate.stacks)
+    steps = torch.tensor([[5, 17, 33, 8, MASK_ID, MASK_ID], [9, 4, 60, MASK_ID, MASK_ID, MASK_ID]])
+    prompt = torch.tensor([[5, 17, 33, 8, 40, 21, 9, 4, 60, 12, MASK_ID, MASK_ID]])
+    for ids in (steps, prompt):
+        with torch.no_grad():
+            got, expected = stacked(input_ids=ids).logits, layered(input_ids=ids).logits
+            plain = base(input_ids=ids).logits
+        real = ids != MASK_ID
+        assert torch.equal(got[real], plain[real])
+        torch.testing.assert_close(got[~real], expected[~real], rtol=1e-10, atol=1e-10)
+        assert (got[~real] != plain[~real]).any(dim=-1).all()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

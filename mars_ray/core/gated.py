@@ -13,9 +13,11 @@ nothing where there are no masks).
 
 Training runs each layer's own delta. Decoding (`stack`, which `load` calls unless the adapter trains) runs
 the deltas of the projections that read one input (`SHARED_INPUT`: q, k and v; gate and up) as one: their
-A side by side, their B block-diagonal with the scaling folded in: at a few mask rows each operation's cost
-is mostly its own overhead, and on SmolLM2 in bf16 a window of 4 cost 1.75x a plain forward layer by layer,
-1.55x stacked (BENCHMARKS.md).
+A side by side, their B block-diagonal with the scaling folded in; and each group's A is folded into the
+weight of its first layer, whose product then gives A(x) as its last columns: at a few mask rows each
+operation's cost is mostly its own overhead, so the gather and small product that A took of its own cost
+more than the extra columns (SmolLM2, bf16, a window of 4: 1.75x a plain forward layer by layer, 1.55x
+stacked, less folded: BENCHMARKS.md). The extra columns leave the layer's own ones bit for bit (tests).
 
 A gated folder (a training checkpoint, or a run's `final/`) holds the model's `config.json` with the marker
 `mars_gated` in it (the base it adapts and the adapter's shape; beside it, as in any MARS checkpoint, the
@@ -48,7 +50,9 @@ WEIGHTS = "gated_adapter.safetensors"
 GATE = "mars_gate"  # the model attribute that holds the gate (and, in its state dict, the mask row)
 DELTA = "mars_gated_lora"  # the attribute of each target linear layer that holds its low-rank delta
 STACKED = "mars_gated_stacked"  # for decoding: (its group's `StackedDelta`, its columns' start and stop)
+FOLDED = "mars_gated_folded"  # for decoding: how many last columns of the layer's product are its A(x)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent, one input
+DENSE_SHARE = 4  # a folded delta runs on every row of a forward whose masks are at least 1 in this many rows
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,18 @@ class StackedDelta(nn.Module):
         self.A = _frozen_linear(torch.cat([part.A.weight.detach() for part in adapted]))
         self.B = _frozen_linear(b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.B(self.A(x))
+    @torch.no_grad()
+    def fold_into(self, layer: nn.Linear) -> None:
+        """Append A's rows to `layer`'s weight (a plain `nn.Linear`, not trained): its product then ends in
+        this group's A(x), which the gate splits off (`FOLDED`); A itself is dropped."""
+        rank = self.A.out_features
+        layer.weight = nn.Parameter(torch.cat([layer.weight, self.A.weight]), requires_grad=False)
+        if layer.bias is not None:  # A has none
+            bias = torch.cat([layer.bias, layer.bias.new_zeros(rank)])
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        layer.out_features += rank
+        setattr(layer, FOLDED, rank)
+        del self.A
 
 
 def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
@@ -118,9 +132,10 @@ class Gate(nn.Module):
         self.spec, self.mask_id = spec, mask_id
         self.mask_row = nn.Parameter(mask_row.detach().clone())
         self.rows = torch.zeros(0, dtype=torch.long)  # flattened [batch * length] positions of mask tokens
+        self.real = torch.zeros(0, 1, dtype=torch.bool)  # [batch * length, 1]: not a mask token
         self.tokens = 0  # batch * length of the current forward
         self.stacks = nn.ModuleList()  # for decoding, every `StackedDelta` (so the model's `.to` moves them)
-        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> (its input, delta)
+        self._stacked: dict[int, tuple] = {}  # id(group) -> (its input, its delta, whether on every row)
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the decoder stack: every forward states its input ids anew."""
@@ -128,7 +143,8 @@ class Gate(nn.Module):
         if input_ids is None:
             raise ValueError("a gated MARS model needs input_ids (the gate reads which inputs are masks)")
         flat = input_ids.reshape(-1)
-        self.rows = (flat == self.mask_id).nonzero().squeeze(1)
+        is_mask = flat == self.mask_id
+        self.rows, self.real = is_mask.nonzero().squeeze(1), ~is_mask[:, None]
         self.tokens = flat.numel()
         self._stacked.clear()
 
@@ -150,27 +166,49 @@ class Gate(nn.Module):
             start += width
 
     def add_delta(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        """Forward hook of a target linear layer: its delta added at mask positions only."""
+        """Forward hook of a target linear layer: its delta added at mask positions only (where its group's
+        A is folded into it, A(x) split off its product first)."""
+        folded = None
+        if rank := getattr(module, FOLDED, 0):
+            output, folded = output[..., :-rank], output[..., -rank:]
         if not len(self.rows):
             return output
         x = args[0]
         if x.shape[:-1].numel() != self.tokens:
             raise ValueError(f"gated adapter on a layer not fed one row per token: {tuple(x.shape)}")
-        delta = self._delta(module, x)
-        return output.reshape(self.tokens, -1).index_add(0, self.rows, delta.to(output.dtype)).view_as(output)
+        delta, every_row = self._delta(module, x, folded)
+        flat, delta = output.reshape(self.tokens, -1), delta.to(output.dtype)
+        if every_row:  # zero at real rows, which adding it leaves bit for bit
+            return (flat + delta).view_as(output)
+        return flat.index_add(0, self.rows, delta).view_as(output)
 
-    def _delta(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's delta at the mask rows: its own, or its columns of its group's, computed by the first
-        layer of the group that this forward feeds `x` (the others are fed the same tensor)."""
+    def _delta(
+        self, module: nn.Module, x: torch.Tensor, folded: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool]:
+        """The layer's delta, and whether it has every row (zero at real ones) or the mask rows only: its
+        own, or its columns of its group's, computed by the first layer of the group that this forward feeds
+        `x` (the others are fed the same tensor; where A is folded, the first is the layer that holds it: q
+        before k and v, gate before up)."""
         stacked = getattr(module, STACKED, None)
         if stacked is None:
-            return getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows])
+            return getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows]), False
         group, start, stop = stacked
-        fed, delta = self._stacked.get(id(group), (None, None))
+        fed, delta, every_row = self._stacked.get(id(group), (None, None, False))
         if fed is not x:
-            delta = group(x.reshape(self.tokens, -1)[self.rows])
-            self._stacked[id(group)] = (x, delta)
-        return delta[:, start:stop]
+            if folded is not None:
+                # A(x) came with the layer's product for every row: zeroing the real ones costs one
+                # operation where gathering the masks' and scattering their delta back cost two, which
+                # pays until real rows, whose B product is wasted, outnumber the masks several times
+                # (a prompt's forward)
+                low = folded.reshape(self.tokens, -1)
+                every_row = len(self.rows) * DENSE_SHARE >= self.tokens
+                delta = group.B(low.masked_fill(self.real, 0) if every_row else low[self.rows])
+            elif hasattr(group, "A"):
+                delta, every_row = group.B(group.A(x.reshape(self.tokens, -1)[self.rows])), False
+            else:
+                raise ValueError("a gated layer ran before the layer its group's A is folded into")
+            self._stacked[id(group)] = (x, delta, every_row)
+        return delta[:, start:stop], every_row
 
 
 def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> Gate:
@@ -203,8 +241,9 @@ def attach(model: PreTrainedModel, spec: GatedSpec, trainable: bool = False) -> 
 
 def stack(model: nn.Module) -> None:
     """For decoding: the deltas of each parent's layers that read one input (`SHARED_INPUT`) as one
-    `StackedDelta`, every other delta as one of its own. Call it after the adapter's weights are final: the
-    stacks are copies (training runs the layers' own deltas, which it leaves in place)."""
+    `StackedDelta`, every other delta as one of its own, each one's A folded into its first layer. Call it
+    after the adapter's weights are final: the stacks are copies (training runs the layers' own deltas,
+    which it leaves in place), and a folded layer is for decoding only."""
     for parent in model.modules():
         adapted = {name: child for name, child in parent.named_children() if hasattr(child, DELTA)}
         shared = [[name for name in group if name in adapted] for group in SHARED_INPUT]
@@ -214,6 +253,7 @@ def stack(model: nn.Module) -> None:
             widths = [layer.out_features for layer in layers]
             stacked = StackedDelta([getattr(layer, DELTA) for layer in layers], widths)
             getattr(model, GATE).use(stacked, layers, widths)
+            stacked.fold_into(layers[0])
 
 
 def is_gated(model: nn.Module) -> bool:
