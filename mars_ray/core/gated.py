@@ -52,7 +52,7 @@ DELTA = "mars_gated_lora"  # the attribute of each target linear layer that hold
 STACKED = "mars_gated_stacked"  # for decoding: (its group's `StackedDelta`, its columns' start and stop)
 FOLDED = "mars_gated_folded"  # for decoding: how many last columns of the layer's product are its A(x)
 SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers of one parent, one input
-DENSE_SHARE = 4  # a folded delta runs on every row of a forward whose masks are at least 1 in this many rows
+DENSE_SHARE = 4  # folded deltas run on every row of a forward whose masks are at least 1 in this many rows
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class StackedDelta(nn.Module):
             row, column = row + width, column + rank
         self.A = _frozen_linear(torch.cat([part.A.weight.detach() for part in adapted]))
         self.B = _frozen_linear(b)
+        self.folded = False  # A moved into a layer's weight (`fold_into`)
 
     @torch.no_grad()
     def fold_into(self, layer: nn.Linear) -> None:
@@ -116,6 +117,7 @@ class StackedDelta(nn.Module):
         layer.out_features += rank
         setattr(layer, FOLDED, rank)
         del self.A
+        self.folded = True
 
 
 def _frozen_linear(weight: torch.Tensor) -> nn.Linear:
@@ -132,10 +134,12 @@ class Gate(nn.Module):
         self.spec, self.mask_id = spec, mask_id
         self.mask_row = nn.Parameter(mask_row.detach().clone())
         self.rows = torch.zeros(0, dtype=torch.long)  # flattened [batch * length] positions of mask tokens
-        self.real = torch.zeros(0, 1, dtype=torch.bool)  # [batch * length, 1]: not a mask token
         self.tokens = 0  # batch * length of the current forward
+        # where masks are at least 1 in DENSE_SHARE rows (a decode step), folded deltas run on every row, and
+        # `real` ([batch * length, 1]) marks the rows whose A(x) is zeroed; None otherwise
+        self.real: torch.Tensor | None = None
         self.stacks = nn.ModuleList()  # for decoding, every `StackedDelta` (so the model's `.to` moves them)
-        self._stacked: dict[int, tuple] = {}  # id(group) -> (its input, its delta, whether on every row)
+        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(group) -> (its input, delta)
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the decoder stack: every forward states its input ids anew."""
@@ -144,8 +148,10 @@ class Gate(nn.Module):
             raise ValueError("a gated MARS model needs input_ids (the gate reads which inputs are masks)")
         flat = input_ids.reshape(-1)
         is_mask = flat == self.mask_id
-        self.rows, self.real = is_mask.nonzero().squeeze(1), ~is_mask[:, None]
+        self.rows = is_mask.nonzero().squeeze(1)
         self.tokens = flat.numel()
+        dense = len(self.rows) * DENSE_SHARE >= self.tokens
+        self.real = ~is_mask[:, None] if dense else None
         self._stacked.clear()
 
     def embed(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -193,21 +199,20 @@ class Gate(nn.Module):
         if stacked is None:
             return getattr(module, DELTA)(x.reshape(self.tokens, -1)[self.rows]), False
         group, start, stop = stacked
-        fed, delta, every_row = self._stacked.get(id(group), (None, None, False))
+        # A(x) came with a folded layer's product for every row: zeroing the real ones costs one operation
+        # where gathering the masks' and scattering their delta back cost two, which pays until real rows,
+        # whose B product is wasted, outnumber the masks several times (a prompt's forward)
+        every_row = group.folded and self.real is not None
+        fed, delta = self._stacked.get(id(group), (None, None))
         if fed is not x:
-            if folded is not None:
-                # A(x) came with the layer's product for every row: zeroing the real ones costs one
-                # operation where gathering the masks' and scattering their delta back cost two, which
-                # pays until real rows, whose B product is wasted, outnumber the masks several times
-                # (a prompt's forward)
-                low = folded.reshape(self.tokens, -1)
-                every_row = len(self.rows) * DENSE_SHARE >= self.tokens
-                delta = group.B(low.masked_fill(self.real, 0) if every_row else low[self.rows])
-            elif hasattr(group, "A"):
-                delta, every_row = group.B(group.A(x.reshape(self.tokens, -1)[self.rows])), False
-            else:
+            if not group.folded:
+                delta = group.B(group.A(x.reshape(self.tokens, -1)[self.rows]))
+            elif folded is None:
                 raise ValueError("a gated layer ran before the layer its group's A is folded into")
-            self._stacked[id(group)] = (x, delta, every_row)
+            else:
+                low = folded.reshape(self.tokens, -1)
+                delta = group.B(low.masked_fill(self.real, 0) if every_row else low[self.rows])
+            self._stacked[id(group)] = (x, delta)
         return delta[:, start:stop], every_row
 
 
