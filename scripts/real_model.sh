@@ -111,7 +111,7 @@ if [ "$engine" = vllm ] && [ "$gated" != 1 ]; then
     PEER_SPEC=ngram VERIFY_TAUS="0.9 0.5" bash scripts/vllm_peer.sh "$final" "$reports/serving-mix-native" 1 4 16
   phase "the load ramp with the controller on a vLLM replica, held-out mix"
   [ -f "$reports/ramp-vllm/ramp.json" ] || $bin/python -m mars_ray.bench.ramp --model "$final" --engine vllm \
-    --dtype bfloat16 --num-cpus 2 --source mix --target 0.08 --verify-tau 0.5 --stream-interval-s 0.05 \
+    --dtype bfloat16 --num-cpus 2 --source mix --target 0.08 --verify-tau 0.5 --stream-interval-s 0.05 --rounds 2 \
     --out "$reports/ramp-vllm"
 fi
 

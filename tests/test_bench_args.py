@@ -12,8 +12,10 @@ import sys
 import pytest
 
 from mars_ray import cli_args
-from mars_ray.bench import cpu_share, loadtest, ramp, serve_llm_peer, stream
+from mars_ray.bench import cpu_share, loadtest, ramp, ramp_report, serve_llm_peer, stream
 from mars_ray.bench.client import RequestRecord, heldout_chats
+from mars_ray.serve.config import TauObjective
+from mars_ray.serve.controller import OperatingPoint, ladder
 
 # scripts/vllm_peer.sh's loadtest line, its variables at their values (concurrency 4, DTYPE=bfloat16,
 # COMPILE=1), as bash hands it over
@@ -67,7 +69,9 @@ RAMP_DEFAULTS = {
     "num_cpus": 1.0,
     "engine": "native",
     "stream_interval_s": 0.0,
+    "rounds": 1,
     "port": 8125,
+    "dashboard_port": 8266,
     "source": "tasks",
     "out": "results/ramp",
 }
@@ -125,9 +129,26 @@ def test_ramp_and_stream_parse_the_lines_the_docs_use():
     }
 
 
+def test_the_ramp_modes_are_knobs_of_one_replica_and_each_round_is_compared_with_its_own_tau_1():
+    """A fixed tau is the controller's ladder of one point, so a mode change is a `user_config` update that
+    the running replica takes in place; the controller mode is the whole ladder, verified step included."""
+    args = ramp.RampConfig(model="M", tau_min=0.8, verify_tau=0.5, target=0.08)
+    fixed, floor, controller = (ladder(TauObjective(**ramp.knobs(m, args))) for m in ramp.modes(args))
+    assert fixed == [OperatingPoint(1.0)] and floor == [OperatingPoint(0.8)]
+    assert controller[:2] == [OperatingPoint(1.0), OperatingPoint(0.5, verify=True)]
+    assert controller[-1] == OperatingPoint(0.8) and len(controller) == 2 + 4
+    rows = [
+        {"round": 1, "mode": "tau=1.0", "peak_tokens_per_s": 100.0},
+        {"round": 1, "mode": "controller", "peak_tokens_per_s": 90.0},
+        {"round": 2, "mode": "tau=1.0", "peak_tokens_per_s": 50.0},
+        {"round": 2, "mode": "controller", "peak_tokens_per_s": 50.0},
+    ]
+    assert ramp_report.peak_ratios(rows) == [1.0, 0.9, 1.0, 1.0]
+
+
 def test_the_ramp_peak_is_its_first_run_of_top_stages_and_counts_the_tokens_streamed_inside_it():
     def window(*levels: int) -> tuple[float, float]:
-        return ramp.peak_window(ramp.RampConfig(model="M", levels=levels, stage_s=10))
+        return ramp_report.peak_window(ramp.RampConfig(model="M", levels=levels, stage_s=10))
 
     assert window(1, 4, 16, 16, 8) == (20, 40)
     assert window(1, 16, 4, 16) == (10, 20)
@@ -135,8 +156,8 @@ def test_the_ramp_peak_is_its_first_run_of_top_stages_and_counts_the_tokens_stre
     streamed = RequestRecord(0, first_token=2, finished=12, completion_tokens=100, forward_passes=None)
     burst = RequestRecord(6, first_token=7, finished=7, completion_tokens=5, forward_passes=None)
     unanswered = RequestRecord(0, first_token=None, finished=9, completion_tokens=0, forward_passes=None)
-    assert ramp.tokens_within([streamed, burst, unanswered], 5, 15) == 70 + 5
-    assert ramp.tokens_within([streamed, burst], 0, 5) == 30
+    assert ramp_report.tokens_within([streamed, burst, unanswered], 5, 15) == 70 + 5
+    assert ramp_report.tokens_within([streamed, burst], 0, 5) == 30
 
 
 def test_the_peer_and_cpu_share_parse_the_lines_the_scripts_use():
