@@ -196,6 +196,19 @@ def test_verified_decoding_comes_first_and_stays_only_where_it_pays():
     assert OperatingPoint(0.9) not in visited  # it does not walk past a step that did not pay
 
 
+def test_an_idle_replica_does_not_step_down_for_the_latencies_its_window_remembers():
+    """The ramp's trace: after the last client left, the p95 of the finished requests was still over the
+    objective, and the idle replica swung between tau 1.0 and verified decoding every other tick."""
+    objective = OBJECTIVE.model_copy(update={"metric": "ttft_p95", "target": 0.5, "verify_tau": 0.5})
+    controller = TauController(objective, now=0.0)
+    for t in range(1, 9):
+        controller.update(snapshot(controller.tau, waiting=0, running=0, generated=100, ttft=2.0), float(t))
+        assert controller.point == OperatingPoint(1.0)
+    for t in range(9, 13):  # load again: tau 1.0 measured over three ticks, then the step down
+        controller.update(snapshot(1.0, waiting=0, running=4, generated=100 * t, ttft=2.0), float(t))
+    assert controller.point == OperatingPoint(0.5, verify=True)
+
+
 def test_latency_objective():
     objective = OBJECTIVE.model_copy(update={"metric": "ttft_p95", "target": 0.5})
     controller = TauController(objective, now=0.0)
