@@ -100,7 +100,10 @@ def table(rows: list[dict], target: float) -> str:
         f"| p95 vs objective ({target:g} s/token) | mean tau | verified | tau after load | replicas |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r, ratio in zip(rows, peak_ratios(rows), strict=True):
+    ratios = peak_ratios(rows)
+    by_mode: dict[str, list[float]] = {}
+    for r, ratio in zip(rows, ratios, strict=True):
+        by_mode.setdefault(r["mode"], []).append(ratio)
         lines.append(
             f"| {r['round']} | {r['mode']} | {r['requests']} | {r['tokens_per_s']:.1f} "
             f"| {r['peak_tokens_per_s']:.1f} | {ratio:.2f} | {r['peak_latency_p50_s']:.2f} "
@@ -110,13 +113,10 @@ def table(rows: list[dict], target: float) -> str:
             f"| {100 * r['verified_share']:.0f}% | {r['final_tau']:.2f} "
             f"| {r['max_replicas']} |"
         )
-    by_mode: dict[str, list[float]] = {}
-    for r, ratio in zip(rows, peak_ratios(rows), strict=True):
-        by_mode.setdefault(r["mode"], []).append(ratio)
     lines.append("")
-    for mode, ratios in by_mode.items():
-        listed = ", ".join(f"{x:.2f}" for x in ratios)
-        lines.append(f"{mode}: x tau=1.0 at the peak {listed} (mean {sum(ratios) / len(ratios):.2f})")
+    for mode, of_mode in by_mode.items():
+        listed = ", ".join(f"{x:.2f}" for x in of_mode)
+        lines.append(f"{mode}: x tau=1.0 at the peak {listed} (mean {sum(of_mode) / len(of_mode):.2f})")
     return "\n".join(lines)
 
 

@@ -9,8 +9,7 @@ snapshot and moves along it:
 - over the objective for `patience` ticks in a row: one point down, never past the last;
 - under `low_fraction` x the objective for `patience` ticks: one point up, never past the first;
 - in between nothing moves: the band between the two thresholds is the hysteresis;
-- an idle replica (nothing running or waiting) never steps down: the latencies its window still holds are
-  of requests that have finished.
+- an idle replica (nothing running or waiting) has no load, whatever latencies its window still holds.
 
 A lower point only helps while it makes decoding faster: every extra mask or draft is compute, and at
 large batches a forward stops being free. So the controller measures, whenever requests run, each point's
@@ -116,11 +115,9 @@ class TauController:
         self._low = self._low + 1 if low else 0
         bucket = _bucket(stats.running)
         last = len(self.points) - 1
-        idle = stats.running == 0 and stats.waiting == 0
-        here = idle or self._measured(self.point, bucket) is not None
+        here = stats.running == 0 or self._measured(self.point, bucket) is not None
         pays, below = self._pays(self.rung, bucket), self._pays_below(bucket)
-        # An idle replica has no load to trade tau for: a latency its window still remembers moves nothing.
-        step_down = self._over >= o.patience and self.rung < last and here and not idle
+        step_down = self._over >= o.patience and self.rung < last and here
         if over and pays is False:
             self._move(-1)  # the last step down did not pay: undo it
         elif step_down and below is True:
@@ -138,6 +135,8 @@ class TauController:
         return self.point
 
     def _load(self, stats: EngineStats) -> float:
+        if stats.running == 0 and stats.waiting == 0:
+            return 0.0  # idle: the latencies its window still holds are of requests that have finished
         metric = self.objective.metric
         if metric == "queue_depth":
             return float(stats.waiting)
