@@ -1,11 +1,13 @@
 """The learning curve of a MARS run: tokens per forward at one tau and agreement with the base model on
 held-out prompts, against the training examples each checkpoint had seen. Prints markdown, writes JSON.
 
-    .venv/bin/python scripts/learning_curve.py --run RUN --baseline smollm2-135m --output curve.json
+    .venv/bin/python scripts/learning_curve.py --run RUN [RUN ...] --baseline smollm2-135m --output curve.json
 
-Points: the base model (0 examples) and every checkpoint the run kept (`keep_checkpoints`), or only the
-optimizer steps `--steps` names (a run still training: the points it has so far). The checkpoints are
-uncalibrated, so every point reads raw confidences. Tokens per forward are read lossy and verified.
+Points: the base model (0 examples) and every checkpoint each run kept (`keep_checkpoints`), or only the
+optimizer steps `--steps` names (a run still training: the points it has so far). Several runs of one base
+(gated beside full MARS on the same data, say) are read in one table: the same held-out prompts and the
+base's replies to them, decoded once. The checkpoints are uncalibrated, so every point reads raw
+confidences. Tokens per forward are read lossy and verified.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--run", type=Path, required=True, help="the run folder (output_dir/name)")
+    parser.add_argument(
+        "--run", type=Path, nargs="+", required=True, help="the run folder(s) (output_dir/name), one base"
+    )
     parser.add_argument("--stage", default="mars")
     parser.add_argument("--baseline", required=True, help="the base model the run started from")
     parser.add_argument("--tau", type=float, default=0.9)
@@ -58,15 +62,18 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
-    train = TrainConfig(**yaml.safe_load((args.run / "config.yaml").read_text()))
+    trains = {run: TrainConfig(**yaml.safe_load((run / "config.yaml").read_text())) for run in args.run}
+    block_sizes = {train.block_size for train in trains.values()}
+    if len(block_sizes) > 1:
+        parser.error(f"--run: the runs were trained with different block sizes {sorted(block_sizes)}")
     config = EvalConfig(
-        model=str(args.run),
+        model=str(args.run[0]),
         sources=args.sources,
         dialogs_limit=args.dialogs_limit,
         tasks_limit=args.tasks_limit,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
-        block_size=train.block_size,
+        block_size=block_sizes.pop(),
     )
     sets = heldout_sets(config)
     base = ModelUnderTest(args.baseline, config)
@@ -74,31 +81,33 @@ def main() -> None:
         s: [chat_prompt_ids(base.tokenizer, r["messages"][:-1]) for r in rows] for s, rows in sets.items()
     }
     reference = {s: base.decode(p, 1.0, "raw").texts for s, p in prompts.items()}
-    kept = checkpoints(args.run, args.stage)
-    if args.steps:
-        missing = sorted(set(args.steps) - {step for step, _ in kept})
-        if missing:
-            parser.error(f"--steps: no complete checkpoint for step(s) {missing} in {args.run / args.stage}")
-        kept = [(step, folder) for step, folder in kept if step in args.steps]
-    points = [(0, args.baseline)] + [(step * train.global_batch, str(folder)) for step, folder in kept]
+    points = [("base", 0, args.baseline)]
+    for run, train in trains.items():
+        kept = checkpoints(run, args.stage)
+        if args.steps:
+            missing = sorted(set(args.steps) - {step for step, _ in kept})
+            if missing:
+                parser.error(f"--steps: no complete checkpoint for step(s) {missing} in {run / args.stage}")
+            kept = [(step, folder) for step, folder in kept if step in args.steps]
+        points += [(run.name, step * train.global_batch, str(folder)) for step, folder in kept]
     answers = [r["answer"] for r in sets["tasks"]] if "tasks" in sets else None
     rows = []
-    for examples, path in points:
+    for run, examples, path in points:
         model = base if path == args.baseline else ModelUnderTest(path, config)
         point = curve_point(model, prompts, reference, answers, args.tau)
-        row = {"examples": examples, "model": path, **point}
+        row = {"run": run, "examples": examples, "model": path, **point}
         rows.append(row)
         print(json.dumps(row), flush=True)
     t = args.tau
-    print(f"\n| examples seen | source | tok/fwd at tau {t} | verified tok/fwd ", end="")
+    print(f"\n| run | examples seen | source | tok/fwd at tau {t} | verified tok/fwd ", end="")
     print(f"| = own tau 1 % (sim) | tau 1 = base % (sim) | tau {t} = base % (sim) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         for source in prompts:
             r = row[source]
             cells = [f"{100 * r[k][0]:.1f} ({100 * r[k][1]:.1f})" for k in ("self", "base_greedy", "base")]
             rates = f"{r['tokens_per_forward']:.2f} | {r['verified_tokens_per_forward']:.2f}"
-            head = f"| {row['examples']} | {source} | {rates} | "
+            head = f"| {row['run']} | {row['examples']} | {source} | {rates} | "
             print(head + " | ".join(cells) + " |")
     if args.output:
         args.output.write_text(json.dumps({"tau": args.tau, "points": rows}, indent=2))
