@@ -12,6 +12,7 @@ VERIFIED = DraftSettings(tau=0.5, verify=True, window=4, greedy=True)
 RELAXED = DraftSettings(tau=0.5, verify=False, window=4, greedy=True)
 RAW = DraftSettings(tau=0.5, verify=True, window=4, greedy=True, calibrated=False)
 AR = DraftSettings(tau=1.0, verify=True, window=1, greedy=True)
+MASK_SLOT_TEMPERATURES = (2.0, 0.5, 1.0)  # slots 1-3: the vocabulary's slots 1 and 2, then none (1.0)
 
 
 def _slot_confidence(row: torch.Tensor, temperature: float) -> tuple[int, float]:
@@ -42,19 +43,19 @@ def test_each_request_reads_its_own_mask_rows_at_its_slot_temperatures():
     assert ar is None
     # Request 0: rows 0-5; row 2 predicts slot 0 (after the carried two), rows 3-5 the masks' slots 1-3.
     assert first.carried == 2
-    expected = [_slot_confidence(original[3 + j], (2.0, 0.5, 1.0)[j]) for j in range(3)]
+    expected = [_slot_confidence(original[3 + j], t) for j, t in enumerate(MASK_SLOT_TEMPERATURES)]
     assert first.tokens == [token for token, _ in expected]
     assert all(abs(a - c) < 1e-6 for a, (_, c) in zip(first.confidence, expected, strict=True))
     # Request 2 starts at row 7 (6 rows, then the AR row): its slot rows are 8-10, read at temperature 1.
     assert raw.carried == 0
-    assert raw.tokens == [_slot_confidence(original[8 + j], 1.0)[0] for j in range(3)]
-    assert all(
-        abs(a - _slot_confidence(original[8 + j], 1.0)[1]) < 1e-6 for j, a in enumerate(raw.confidence)
-    )
+    expected = [_slot_confidence(original[8 + j], 1.0) for j in range(3)]
+    assert raw.tokens == [token for token, _ in expected]
+    assert all(abs(a - c) < 1e-6 for a, (_, c) in zip(raw.confidence, expected, strict=True))
     # Request 3 starts at row 11: its carried 13 is now the target's choice in its row, nothing else moved.
     assert relaxed.carried == 1
     assert int(logits[11].argmax()) == 13
-    assert relaxed.tokens == [_slot_confidence(original[13 + j], (2.0, 0.5, 1.0)[j])[0] for j in range(3)]
+    expected = [_slot_confidence(original[13 + j], t) for j, t in enumerate(MASK_SLOT_TEMPERATURES)]
+    assert relaxed.tokens == [token for token, _ in expected]
     untouched = [r for r in range(rows) if r != 11]
     kept = original[untouched].clone()
     kept[:, MASK] = float("-inf")
